@@ -1,0 +1,145 @@
+"""One-shot save, load and read of a single checkpoint directory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Literal, overload
+
+from ._format import Key
+from ._handle import Metadata, SaveHandle
+from ._load import run_load, run_read
+from ._memory import StagingPool
+from ._options import IOConfig
+from ._runner import start_background
+from ._save import SaveRequest, run_save
+from ._world import LocalWorld
+
+
+@overload
+async def save(
+    state: Mapping[str, object],
+    path: str | os.PathLike[str],
+    *,
+    async_op: Literal[False] = ...,
+    allow_pickle: bool = ...,
+    metadata: dict[str, str | int | float | bool | None] | None = ...,
+    io: IOConfig | None = ...,
+) -> Metadata: ...
+
+
+@overload
+async def save(
+    state: Mapping[str, object],
+    path: str | os.PathLike[str],
+    *,
+    async_op: Literal[True],
+    allow_pickle: bool = ...,
+    metadata: dict[str, str | int | float | bool | None] | None = ...,
+    io: IOConfig | None = ...,
+) -> SaveHandle: ...
+
+
+async def save(
+    state: Mapping[str, object],
+    path: str | os.PathLike[str],
+    *,
+    async_op: bool = False,
+    allow_pickle: bool = False,
+    metadata: dict[str, str | int | float | bool | None] | None = None,
+    io: IOConfig | None = None,
+) -> Metadata | SaveHandle:
+    """Save ``state`` as a new checkpoint directory ``path``.
+
+    Args:
+        state: A mapping with str keys of tensors, Statefuls (``state_dict()``/``load_state_dict()``),
+            nested dicts/lists/tuples and plain values.
+        path: The checkpoint directory to create; it must not exist. Parents are created.
+        async_op: Return once the state is staged (copied aside), with a :class:`SaveHandle` to await for
+            durability, instead of once the checkpoint is durable.
+        allow_pickle: Pickle objects of other types instead of refusing them.
+        metadata: Small user values stored in the manifest.
+        io: I/O tuning.
+
+    Returns:
+        The checkpoint's :class:`Metadata`, or with ``async_op=True`` a :class:`SaveHandle`.
+
+    Raises:
+        CheckpointExistsError: ``path`` exists.
+        StateError: The state holds something that cannot be saved (the message names the key).
+        StorageError: Writing failed; nothing was published and temp data is removed.
+    """
+    req = SaveRequest(
+        state=state,
+        path=Path(path).absolute(),
+        copy=async_op,
+        allow_pickle=allow_pickle,
+        user_metadata=dict(metadata or {}),
+        io=io or IOConfig(),
+    )
+    handle = SaveHandle(path=str(req.path), step=None)
+    pool = StagingPool()
+
+    async def body(on_staged: object) -> Metadata:
+        try:
+            return await run_save(req, world=LocalWorld(), pool=pool, metrics=handle.metrics, on_staged=on_staged)  # type: ignore[arg-type]
+        finally:
+            pool.close()
+
+    if async_op:
+        return await start_background(handle, body)
+    await handle._drive(body)  # noqa: SLF001
+    return await handle
+
+
+async def load(
+    state: MutableMapping[str, object],
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    io: IOConfig | None = None,
+) -> MutableMapping[str, object]:
+    """Load the checkpoint at ``path`` into ``state``, in place.
+
+    Tensors of ``state`` are filled in place (read straight into their memory when they are contiguous
+    CPU tensors), Statefuls get ``load_state_dict``, other values are replaced in the mapping. Entries a
+    Stateful lacks (an optimizer that never stepped) are created from the checkpoint.
+
+    Args:
+        state: The target: a mutable mapping shaped like the saved state.
+        path: A checkpoint directory.
+        strict: Refuse any difference between checkpoint and target (missing or unexpected keys, shape
+            or dtype mismatch), listing all of them; with ``False``, load what matches and warn about the
+            rest with :class:`StateMismatchWarning`.
+        allow_pickle: Unpickle stored objects (only for checkpoints you trust).
+        io: I/O tuning.
+
+    Returns:
+        ``state``.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+        FormatError: The manifest is unreadable or from a newer format.
+        CorruptionError: Stored bytes fail verification (names the key and file).
+        StateMismatchError: ``strict`` and the target differs; nothing was loaded.
+    """
+    await run_load(state, Path(path).absolute(), strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+    return state
+
+
+async def read(
+    path: str | os.PathLike[str], *, allow_pickle: bool = False, io: IOConfig | None = None
+) -> dict[Key, object]:
+    """Read the checkpoint at ``path`` as a fresh nested structure of CPU tensors and plain values.
+
+    Statefuls come back as their state dicts; tied tensors come back tied.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+        FormatError: The manifest is unreadable or from a newer format.
+        CorruptionError: Stored bytes fail verification (names the key and file).
+        StateError: A pickled object is stored and ``allow_pickle`` is false.
+    """
+    return await run_read(Path(path).absolute(), allow_pickle=allow_pickle, io=io or IOConfig())

@@ -1,0 +1,339 @@
+"""A managed directory of checkpoints: numbered steps, in-flight limits, retention, resume."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import uuid
+from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
+from typing import Literal, overload
+
+import anyio
+
+from ._errors import BusyError, CheckpointError, CheckpointExistsError, CheckpointNotFoundError, SaveSkippedError
+from ._format import Key
+from ._fs import TMP_PREFIX, collect_garbage, fsync_dir, remove_tree, replace_durable
+from ._handle import Metadata, SaveHandle
+from ._load import is_checkpoint, run_load, run_read
+from ._memory import StagingPool
+from ._options import IOConfig
+from ._runner import start_background
+from ._save import SaveRequest, run_save
+from ._threads import run_sync
+from ._world import LocalWorld
+
+OnBusy = Literal["wait", "skip", "error"]
+
+LATEST = "latest"
+_STEP_RE = re.compile(r"step-(\d+)")
+
+
+def step_dir_name(step: int) -> str:
+    """``100`` -> ``step-00000100``."""
+    return f"step-{step:08d}"
+
+
+def _scan(root: Path) -> list[int]:
+    steps = []
+    with os.scandir(root) as it:
+        for entry in it:
+            m = _STEP_RE.fullmatch(entry.name)
+            if m and entry.is_dir() and is_checkpoint(Path(entry.path)):
+                steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+class Checkpointer:
+    """Checkpoints of one training run or service under ``root``, one directory per step.
+
+    Use it as ``async with Checkpointer(root) as ckpt:``. Opening it removes temp data abandoned by
+    crashed saves (never that of saves still running in other processes). Closing it waits for saves in
+    flight (or cancels them, see :meth:`aclose`) and frees the staging buffers.
+
+    Args:
+        root: The directory holding ``step-NNNNNNNN`` checkpoints and the ``latest`` pointer.
+        keep_last: Keep only the newest ``keep_last`` committed steps (``None``: keep all).
+        keep_every: Also keep every step divisible by ``keep_every``, permanently.
+        max_inflight: Saves allowed in flight at once (staging, writing or committing).
+        on_busy: What a save does while ``max_inflight`` saves are in flight: ``"wait"`` for a slot,
+            ``"skip"`` itself (the handle says so), or raise :class:`BusyError` (``"error"``).
+        allow_pickle: Pickle (and unpickle) objects of other types instead of refusing them.
+        io: I/O tuning.
+
+    Raises:
+        CheckpointError: An argument is out of range.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        max_inflight: int = 1,
+        on_busy: OnBusy = "wait",
+        allow_pickle: bool = False,
+        io: IOConfig | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise CheckpointError(f"keep_last must be at least 1 or None, not {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise CheckpointError(f"keep_every must be at least 1 or None, not {keep_every}")
+        if max_inflight < 1:
+            raise CheckpointError(f"max_inflight must be at least 1, not {max_inflight}")
+        if on_busy not in ("wait", "skip", "error"):
+            raise CheckpointError(f"on_busy must be 'wait', 'skip' or 'error', not {on_busy!r}")
+        self.root = Path(root).absolute()
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.max_inflight = max_inflight
+        self.on_busy: OnBusy = on_busy
+        self.allow_pickle = allow_pickle
+        self.io = io or IOConfig()
+        self._pool = StagingPool()
+        self._steps: list[int] = []
+        self._inflight: dict[int, SaveHandle] = {}
+        self._loading: dict[int, int] = {}
+        self._slots: anyio.Semaphore | None = None
+        self._opened = False
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<Checkpointer root={str(self.root)!r} steps={self._steps}>"
+
+    async def __aenter__(self) -> Checkpointer:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # --- Directory state --------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create ``root`` if needed, collect abandoned temp data and index the committed steps."""
+        if self._closed:
+            raise CheckpointError(f"the Checkpointer of {self.root} is closed")
+        if self._opened:
+            return
+
+        def prepare() -> list[int]:
+            self.root.mkdir(parents=True, exist_ok=True)
+            collect_garbage(self.root)
+            return _scan(self.root)
+
+        self._steps = await run_sync(prepare)
+        self._slots = anyio.Semaphore(self.max_inflight)
+        self._opened = True
+
+    async def refresh(self) -> list[int]:
+        """Re-read the committed steps from disk (they may have been written by another process)."""
+        await self.open()
+        self._steps = await run_sync(lambda: _scan(self.root))
+        return list(self._steps)
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first, as of the last save, load, open or :meth:`refresh`."""
+        return list(self._steps)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (see :meth:`steps`), or ``None``."""
+        return self._steps[-1] if self._steps else None
+
+    def path_of(self, step: int) -> Path:
+        """The directory of ``step``'s checkpoint."""
+        return self.root / step_dir_name(step)
+
+    # --- Saving -----------------------------------------------------------------------------------------
+
+    @overload
+    async def save(
+        self,
+        state: Mapping[str, object],
+        *,
+        step: int,
+        async_op: Literal[False] = ...,
+        metadata: dict[str, str | int | float | bool | None] | None = ...,
+    ) -> Metadata: ...
+
+    @overload
+    async def save(
+        self,
+        state: Mapping[str, object],
+        *,
+        step: int,
+        async_op: Literal[True],
+        metadata: dict[str, str | int | float | bool | None] | None = ...,
+    ) -> SaveHandle: ...
+
+    async def save(
+        self,
+        state: Mapping[str, object],
+        *,
+        step: int,
+        async_op: bool = False,
+        metadata: dict[str, str | int | float | bool | None] | None = None,
+    ) -> Metadata | SaveHandle:
+        """Save ``state`` as checkpoint ``step``.
+
+        With ``async_op=True`` this returns once the state is staged (the caller may mutate it), with a
+        :class:`SaveHandle` to await for durability. Otherwise it returns once the checkpoint is durable.
+        After the commit, ``latest`` is updated and retention applied.
+
+        Raises:
+            CheckpointExistsError: ``step`` is committed or being saved already.
+            BusyError: ``on_busy="error"`` and ``max_inflight`` saves are in flight.
+            SaveSkippedError: ``on_busy="skip"``, the Checkpointer is busy and ``async_op`` is false (with
+                ``async_op=True`` the returned handle is skipped instead).
+            StateError: The state holds something that cannot be saved (names the key).
+            StorageError: Writing failed; earlier checkpoints are untouched.
+        """
+        await self.open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, not {step!r}")
+        path = self.path_of(step)
+        if step in self._steps or step in self._inflight:
+            raise CheckpointExistsError(f"step {step} already exists (or is being saved) at {path}")
+        assert self._slots is not None
+        if self._slots.value == 0 and self.on_busy != "wait":
+            busy = f"{self.max_inflight} save(s) in flight in {self.root}"
+            if self.on_busy == "error":
+                raise BusyError(f"cannot save step {step}: {busy}")
+            if async_op:
+                return SaveHandle._skipped(path=str(path), step=step)  # noqa: SLF001
+            raise SaveSkippedError(f"skipped the save of step {step}: {busy}")
+        await self._slots.acquire()
+        handle = SaveHandle(path=str(path), step=step)
+        self._inflight[step] = handle
+        req = SaveRequest(
+            state=state,
+            path=path,
+            step=step,
+            copy=async_op,
+            allow_pickle=self.allow_pickle,
+            user_metadata=dict(metadata or {}),
+            io=self.io,
+        )
+
+        async def body(on_staged: Callable[[], None]) -> Metadata:
+            try:
+                meta = await run_save(
+                    req, world=LocalWorld(), pool=self._pool, metrics=handle.metrics, on_staged=on_staged
+                )
+                with anyio.CancelScope(shield=True):  # committed: the bookkeeping must follow
+                    await self._after_commit(step)
+                return meta
+            finally:
+                self._inflight.pop(step, None)
+                assert self._slots is not None
+                self._slots.release()
+
+        try:
+            if async_op:
+                return await start_background(handle, body)
+            await handle._drive(body)  # noqa: SLF001
+        except BaseException:
+            if not handle.done():  # failed before the body ran: give the slot back here
+                self._inflight.pop(step, None)
+                self._slots.release()
+            raise
+        return await handle
+
+    async def _after_commit(self, step: int) -> None:
+        steps = sorted({*self._steps, step})
+        doomed = self._doomed(steps)
+
+        def publish() -> None:
+            replace_durable(self.root / LATEST, (step_dir_name(steps[-1]) + "\n").encode())
+            for s in doomed:
+                # Renaming first makes the deletion atomic for readers; a crash mid-way leaves only temp
+                # data that the next open collects.
+                trash = self.root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(self.path_of(s), trash)
+                    remove_tree(trash)
+            if doomed:
+                fsync_dir(self.root)
+
+        await run_sync(publish)
+        self._steps = [s for s in steps if s not in doomed]
+
+    def _doomed(self, steps: list[int]) -> list[int]:
+        if self.keep_last is None or len(steps) <= self.keep_last:
+            return []
+        keep = set(steps[-self.keep_last :]) | set(self._loading)
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        return [s for s in steps if s not in keep]
+
+    # --- Loading ----------------------------------------------------------------------------------------
+
+    async def _resolve(self, step: int | None) -> int | None:
+        await self.refresh()
+        if step is None:
+            return self.latest_step()
+        if step not in self._steps:
+            raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {self.root}")
+        return step
+
+    async def load(
+        self, state: MutableMapping[str, object], *, step: int | None = None, strict: bool = True
+    ) -> int | None:
+        """Load checkpoint ``step`` (default: the latest committed one) into ``state`` in place.
+
+        Returns:
+            The step loaded, or ``None`` when there is no committed checkpoint (``state`` is untouched).
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed.
+            CorruptionError: Stored bytes fail verification (names the key and file).
+            StateMismatchError: ``strict`` and the target differs; nothing was loaded.
+        """
+        chosen = await self._resolve(step)
+        if chosen is None:
+            return None
+        self._loading[chosen] = self._loading.get(chosen, 0) + 1
+        try:
+            await run_load(
+                state, self.path_of(chosen), strict=strict, allow_pickle=self.allow_pickle, io=self.io
+            )
+        finally:
+            self._loading[chosen] -= 1
+            if not self._loading[chosen]:
+                del self._loading[chosen]
+        return chosen
+
+    async def read(self, step: int | None = None) -> dict[Key, object]:
+        """Read checkpoint ``step`` (default: the latest) as a fresh tree of CPU tensors.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed, or there is no checkpoint at all.
+        """
+        chosen = await self._resolve(step)
+        if chosen is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}")
+        return await run_read(self.path_of(chosen), allow_pickle=self.allow_pickle, io=self.io)
+
+    # --- Closing ----------------------------------------------------------------------------------------
+
+    async def wait(self) -> None:
+        """Wait until every save in flight has ended (whatever its outcome)."""
+        for handle in list(self._inflight.values()):
+            with contextlib.suppress(CheckpointError):
+                await handle
+        while self._inflight:
+            await anyio.sleep(0.001)
+
+    async def aclose(self, *, cancel: bool = False) -> None:
+        """Wait for the saves in flight (or cancel them with ``cancel=True``), then free staging buffers."""
+        if self._closed:
+            return
+        if cancel:
+            for handle in list(self._inflight.values()):
+                handle.cancel()
+        with anyio.CancelScope(shield=True):
+            await self.wait()
+        self._closed = True
+        self._pool.close()

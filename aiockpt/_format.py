@@ -1,0 +1,147 @@
+"""The on-disk format: versioned, frozen msgspec schemas and their codecs.
+
+A committed checkpoint directory holds ``manifest.msgpack`` and one ``data-rNNNNN.bin`` per writing rank.
+The manifest file is an :class:`Envelope` whose ``body`` is an encoded :class:`Manifest`; the envelope
+carries the format version and a CRC32C of the body, so a reader can refuse a newer format, or detect a
+damaged manifest, before decoding anything else. Data files hold raw little-endian tensor bytes at the
+offsets the manifest gives. Nothing is pickled unless the user opted in (:class:`PickleNode`).
+
+Compatibility rule: a new field always gets a default, so version-1 readers of a version-1 file keep
+working, and a change that old readers would misread bumps :data:`FORMAT_VERSION`.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+FORMAT_VERSION = 1
+MAGIC = "aiockpt"
+MANIFEST_NAME = "manifest.msgpack"
+
+Key = Union[str, int]
+KeyPath = tuple[Key, ...]
+
+
+def data_file_name(rank: int) -> str:
+    """Return the name of the data file written by ``rank``."""
+    return f"data-r{rank:05d}.bin"
+
+
+# --- The state tree -------------------------------------------------------------------------------------
+# The structure of the saved state, with tensors replaced by indices into ``Manifest.tensors``. It lets
+# ``read`` rebuild the nested containers exactly (dict vs list vs tuple, int vs str keys).
+
+
+class DictNode(msgspec.Struct, frozen=True, kw_only=True, tag="dict"):
+    """A mapping. ``origin`` names the class of the Stateful it came from, if any."""
+
+    keys: tuple[Key, ...]
+    values: tuple[Node, ...]
+    origin: str | None = None
+
+
+class ListNode(msgspec.Struct, frozen=True, kw_only=True, tag="list"):
+    """A list."""
+
+    items: tuple[Node, ...]
+
+
+class TupleNode(msgspec.Struct, frozen=True, kw_only=True, tag="tuple"):
+    """A tuple."""
+
+    items: tuple[Node, ...]
+
+
+class TensorNode(msgspec.Struct, frozen=True, kw_only=True, tag="tensor"):
+    """A tensor; ``index`` points into ``Manifest.tensors``. Tied tensors share an index."""
+
+    index: int
+
+
+class ValueNode(msgspec.Struct, frozen=True, kw_only=True, tag="value"):
+    """A plain scalar value stored inline."""
+
+    value: int | float | bool | str | None
+
+
+class BytesNode(msgspec.Struct, frozen=True, kw_only=True, tag="bytes"):
+    """A ``bytes`` value stored inline."""
+
+    value: bytes
+
+
+class PickleNode(msgspec.Struct, frozen=True, kw_only=True, tag="pickle"):
+    """An arbitrary object, pickled; only written and read with ``allow_pickle=True``."""
+
+    data: bytes
+    type_name: str
+
+
+Node = Union[DictNode, ListNode, TupleNode, TensorNode, ValueNode, BytesNode, PickleNode]
+
+
+# --- Tensors --------------------------------------------------------------------------------------------
+
+
+class Chunk(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One stored piece of a tensor: a box of the global tensor at a byte range of a data file.
+
+    ``checksums[i]`` is the CRC32C of bytes ``[i * block, (i + 1) * block)`` of the chunk, where ``block`` is
+    ``Manifest.checksum_block``; per-block checksums let large chunks be written and verified in parallel.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    checksums: tuple[int, ...]
+
+
+class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A logical (global) tensor and the chunks that store it."""
+
+    path: KeyPath
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+class FileInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A data file of a checkpoint."""
+
+    name: str
+    nbytes: int
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything needed to read a checkpoint back; written last, after every data file is durable."""
+
+    format_version: int = FORMAT_VERSION
+    step: int | None = None
+    world_size: int = 1
+    created_at: float = 0.0
+    library_version: str = ""
+    checksum_algorithm: str = "crc32c"
+    checksum_block: int
+    tree: DictNode
+    tensors: tuple[TensorEntry, ...]
+    files: tuple[FileInfo, ...]
+    user_metadata: dict[str, str | int | float | bool | None] = {}
+
+
+class Envelope(msgspec.Struct, frozen=True, kw_only=True):
+    """The outer layer of ``manifest.msgpack``; stable across format versions."""
+
+    magic: str
+    format_version: int
+    body_crc32c: int
+    body: bytes
+
+
+# Module-level codecs are reused: building a msgspec Decoder is far costlier than using one.
+ENCODER = msgspec.msgpack.Encoder()
+ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+MANIFEST_DECODER = msgspec.msgpack.Decoder(Manifest)

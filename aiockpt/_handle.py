@@ -1,0 +1,206 @@
+"""Save handles, their states and metrics, and the metadata of a committed checkpoint."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import msgspec
+
+from ._errors import CheckpointCancelledError, SaveSkippedError
+from ._format import FileInfo
+
+
+class Metadata(msgspec.Struct, frozen=True, kw_only=True):
+    """What a committed checkpoint holds and how long saving it took.
+
+    Attributes:
+        path: The checkpoint directory.
+        step: The training step, if saved with one.
+        world_size: Ranks that took part in the save.
+        nbytes: Tensor bytes in the checkpoint (replicated tensors counted once).
+        num_tensors: Logical tensors in the checkpoint.
+        files: Data files and their sizes.
+        created_at: Unix time of the commit.
+        manifest_crc32c: Checksum of the manifest body.
+        timings: Seconds spent in each phase: ``stage``, ``local_plan``, ``global_plan``, ``write``, ``finish``.
+    """
+
+    path: str
+    step: int | None
+    world_size: int
+    nbytes: int
+    num_tensors: int
+    files: tuple[FileInfo, ...]
+    created_at: float
+    manifest_crc32c: int
+    timings: dict[str, float]
+
+
+class SaveState(enum.Enum):
+    """Where a save is. ``COMMITTED``, ``FAILED``, ``CANCELLED`` and ``SKIPPED`` are final."""
+
+    STAGING = "staging"
+    STAGED = "staged"
+    WRITING = "writing"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SKIPPED = "skipped"
+
+
+_FINAL = frozenset({SaveState.COMMITTED, SaveState.FAILED, SaveState.CANCELLED, SaveState.SKIPPED})
+
+
+@dataclass
+class SaveMetrics:
+    """Per-phase seconds and bytes of one save, filled in as it runs.
+
+    Attributes:
+        seconds: Phase name -> seconds (``stage``, ``local_plan``, ``global_plan``, ``write``, ``finish``).
+        staging_seconds: Seconds from the call until the state could be mutated again.
+        total_seconds: Seconds from the call until the checkpoint was committed (or the save ended).
+        nbytes: Tensor bytes in the state.
+        staged_bytes: Bytes copied into staging buffers.
+        written_bytes: Bytes this rank wrote to data files.
+    """
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    staging_seconds: float = 0.0
+    total_seconds: float = 0.0
+    nbytes: int = 0
+    staged_bytes: int = 0
+    written_bytes: int = 0
+    _t0: float = field(default_factory=time.perf_counter, repr=False)
+    _mark: float = field(default=0.0, repr=False)
+
+    def phase(self, name: str) -> None:
+        """Close the running phase as ``name``."""
+        now = time.perf_counter()
+        self.seconds[name] = now - (self._mark or self._t0)
+        self._mark = now
+
+    def staged(self) -> None:
+        """Record that the state may be mutated from now on."""
+        self.staging_seconds = time.perf_counter() - self._t0
+
+    def ended(self) -> None:
+        """Record the end of the save."""
+        self.total_seconds = time.perf_counter() - self._t0
+
+
+class SaveHandle:
+    """A save in flight. ``await handle`` returns its :class:`Metadata` once the checkpoint is durable.
+
+    Raises (on await):
+        CheckpointCancelledError: The save was cancelled before it committed.
+        SaveSkippedError: The save was skipped by ``on_busy="skip"``.
+        CheckpointError: Any failure of the save, as raised by it.
+    """
+
+    def __init__(self, *, path: str, step: int | None) -> None:
+        self.path = path
+        self.step = step
+        self.metrics = SaveMetrics()
+        self._state = SaveState.STAGING
+        self._done = anyio.Event()
+        self._metadata: Metadata | None = None
+        self._error: BaseException | None = None
+        self._scope: anyio.CancelScope | None = None
+
+    def __repr__(self) -> str:
+        return f"<SaveHandle step={self.step} path={self.path!r} state={self._state.value}>"
+
+    @property
+    def state(self) -> SaveState:
+        """Where the save is now."""
+        return self._state
+
+    @property
+    def skipped(self) -> bool:
+        """Whether ``on_busy="skip"`` dropped this save."""
+        return self._state is SaveState.SKIPPED
+
+    def done(self) -> bool:
+        """Whether the save has ended (committed, failed, cancelled or skipped)."""
+        return self._state in _FINAL
+
+    def cancel(self) -> None:
+        """Ask the save to stop. Before the commit point it aborts cleanly; once committing, it completes."""
+        if self._scope is not None and not self.done():
+            self._scope.cancel()
+
+    async def wait(self) -> Metadata:
+        """Wait until the save ends; return its metadata or raise its failure (see the class docstring)."""
+        await self._done.wait()
+        if self._state is SaveState.SKIPPED:
+            raise SaveSkippedError(f"the save of step {self.step} was skipped: max_inflight saves were busy")
+        if self._state is SaveState.CANCELLED:
+            raise CheckpointCancelledError(f"the save to {self.path} was cancelled before it committed")
+        if self._error is not None:
+            raise self._error
+        assert self._metadata is not None
+        return self._metadata
+
+    def __await__(self) -> Generator[Any, None, Metadata]:
+        return self.wait().__await__()
+
+    def _set_state(self, state: SaveState) -> None:
+        if not self.done():
+            self._state = state
+
+    def _finish(
+        self, state: SaveState, *, metadata: Metadata | None = None, error: BaseException | None = None
+    ) -> None:
+        if self.done():
+            return
+        self._state, self._metadata, self._error = state, metadata, error
+        self.metrics.ended()
+        self._done.set()
+
+    @classmethod
+    def _skipped(cls, *, path: str, step: int | None) -> SaveHandle:
+        handle = cls(path=path, step=step)
+        handle._finish(SaveState.SKIPPED)
+        return handle
+
+    async def _drive(
+        self,
+        body: Callable[[Callable[[], None]], Awaitable[Metadata]],
+        *,
+        task_status: anyio.abc.TaskStatus[SaveHandle] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run ``body(on_staged)`` as this handle's save; report "started" once it is staged.
+
+        A failure before staging is raised to whoever started the save; after staging it is kept for
+        ``await handle``. Cancellation by :meth:`cancel` ends here; any other cancellation propagates.
+        """
+        started = False
+
+        def on_staged() -> None:
+            nonlocal started
+            self._set_state(SaveState.STAGED)
+            self.metrics.staged()
+            started = True
+            task_status.started(self)
+
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            try:
+                metadata = await body(on_staged)
+            except anyio.get_cancelled_exc_class():
+                self._finish(SaveState.CANCELLED)
+                raise
+            except Exception as exc:
+                self._finish(SaveState.FAILED, error=exc)
+                if not started:
+                    raise
+                return
+            self._finish(SaveState.COMMITTED, metadata=metadata)
+        if scope.cancelled_caught and not started:
+            raise CheckpointCancelledError(f"the save to {self.path} was cancelled while staging")

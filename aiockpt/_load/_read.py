@@ -1,0 +1,153 @@
+"""Reading chunks straight into destination memory, in parallel, verifying every block's checksum.
+
+Whole-tensor chunks whose destination is a contiguous CPU tensor are read into its memory (no copy).
+Others (slices of a resharded tensor, non-contiguous or GPU targets) are read into host buffers and
+copied into place afterwards, in a worker thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import crc32c
+import torch
+
+from .._errors import CorruptionError, StorageError
+from .._format import Chunk, Manifest
+from .._memory import byte_view
+from .._runs import MAX_GAP, Piece, Run, group, read_run, split
+from .._threads import Aborted, run_sync, run_workers
+from .._tree import dtype_from_name, render
+from ._match import Destination
+
+
+@dataclass
+class _Read:
+    tensor: int
+    chunk: Chunk
+    view: memoryview
+
+
+def _direct(dest: torch.Tensor) -> bool:
+    return dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
+
+
+def _full(chunk: Chunk, shape: tuple[int, ...]) -> bool:
+    return chunk.sizes == shape and not any(chunk.offsets)
+
+
+def prepare(
+    manifest: Manifest, destinations: dict[int, Destination]
+) -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor]]:
+    """Plan the reads of every destination; return the reads, the copies to run after them, and buffers."""
+    reads: list[_Read] = []
+    copies: list[Callable[[], None]] = []
+    keep: list[torch.Tensor] = []
+    for index, dest in destinations.items():
+        entry = manifest.tensors[index]
+        target = dest.tensor
+        if not _direct(target):
+            staging = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+            keep.append(staging)
+            copies.append(lambda t=target, s=staging: t.copy_(s))  # type: ignore[misc]
+            target = staging
+        for chunk in entry.chunks:
+            if _full(chunk, entry.shape):
+                reads.append(_Read(index, chunk, byte_view(target)))
+                continue
+            buf = torch.empty(chunk.sizes, dtype=target.dtype)
+            keep.append(buf)
+            box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            copies.insert(0, lambda t=target, b=buf, box=box: t[box].copy_(b))  # type: ignore[misc]
+            reads.append(_Read(index, chunk, byte_view(buf)))
+        for other in dest.also:
+            copies.append(lambda o=other, t=dest.tensor: o.copy_(t))  # type: ignore[misc]
+    return reads, copies, keep
+
+
+async def read_into(
+    directory: Path,
+    manifest: Manifest,
+    destinations: dict[int, Destination],
+    *,
+    threads: int,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> int:
+    """Fill every destination from ``directory``'s data files; return the bytes read.
+
+    Raises:
+        CorruptionError: A block's checksum does not match, or a data file is missing or too short; the
+            message names the key and the file.
+        StorageError: A data file cannot be read.
+    """
+    reads, copies, keep = prepare(manifest, destinations)
+    block = manifest.checksum_block
+    by_file: dict[str, list[Piece]] = {}
+    for i, r in enumerate(reads):
+        by_file.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
+    fds: dict[str, int] = {}
+    jobs: deque[tuple[str, Run]] = deque()
+    for name, pieces in by_file.items():
+        pieces.sort(key=lambda p: p.offset)
+        jobs.extend((name, run) for run in group(pieces))
+
+    def corrupt(r: _Read, what: str) -> CorruptionError:
+        key = render(manifest.tensors[r.tensor].path)
+        return CorruptionError(
+            f"{what} in {directory / r.chunk.file} for key {key!r} (bytes {r.chunk.offset}.."
+            f"{r.chunk.offset + r.chunk.nbytes})",
+            file=str(directory / r.chunk.file),
+            key=key,
+        )
+
+    def open_files() -> None:
+        for name, pieces in by_file.items():
+            path = directory / name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise corrupt(reads[pieces[0].item], "data file is missing") from None
+            fds[name] = fd
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            end = max(p.offset + len(p.view) for p in pieces)
+            if os.fstat(fd).st_size < end:
+                short = next(p for p in pieces if p.offset + len(p.view) > os.fstat(fd).st_size)
+                raise corrupt(reads[short.item], "data file is truncated")
+
+    def worker(abort: threading.Event) -> None:
+        scratch = memoryview(bytearray(MAX_GAP))
+        while True:
+            if abort.is_set():
+                raise Aborted
+            try:
+                name, run = jobs.popleft()
+            except IndexError:
+                return
+            got = read_run(fds[name], run, scratch)
+            if got < run.end - run.offset:
+                raise corrupt(reads[run.pieces[-1].item], "data file is truncated")
+            for p in run.pieces:
+                r = reads[p.item]
+                if crc32c.crc32c(p.view) != r.chunk.checksums[p.block]:
+                    raise corrupt(r, f"checksum mismatch in block {p.block}")
+
+    try:
+        await run_sync(open_files, limiter)
+        if jobs:
+            await run_workers(worker, min(threads, len(jobs)), limiter)
+        if copies:
+            await run_sync(lambda: [c() for c in copies] and None, limiter)
+    except OSError as exc:
+        raise StorageError(f"cannot read checkpoint data in {directory}: {exc.strerror or exc}") from exc
+    finally:
+        if fds:
+            with anyio.CancelScope(shield=True):
+                await run_sync(lambda: [os.close(fd) for fd in fds.values()] and None, limiter)
+    del keep
+    return sum(len(r.view) for r in reads)

@@ -1,0 +1,30 @@
+"""Tuning knobs, in one frozen keyword-only object (no environment variables)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._errors import CheckpointError
+
+
+@dataclass(frozen=True, kw_only=True)
+class IOConfig:
+    """How checkpoint I/O is carried out.
+
+    Attributes:
+        threads: Worker threads that write or read one rank's data at once. Two already saturate most
+            local disks; more help on network file systems.
+        checksum_block: Bytes covered by each CRC32C. Large chunks are split into blocks of this size so
+            their writing and verification spread over threads. Recorded in the manifest.
+    """
+
+    threads: int = 4
+    checksum_block: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise CheckpointError(f"IOConfig.threads must be at least 1, not {self.threads}")
+        if self.checksum_block < 4096 or self.checksum_block % 4096:
+            raise CheckpointError(
+                f"IOConfig.checksum_block must be a positive multiple of 4096, not {self.checksum_block}"
+            )

@@ -1,0 +1,63 @@
+"""A per-event-loop task group that hosts background saves (``async_op=True``).
+
+A background save must outlive the call that started it, so it cannot live in the caller's task. Each
+running asyncio loop gets one long-lived task owning an anyio task group; saves are started into it with
+``tg.start``, which returns once the save reports "staged". When the loop shuts down (``asyncio.run``
+cancels leftover tasks) the group is cancelled and every unfinished save aborts cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable
+
+import anyio
+import anyio.abc
+
+from ._errors import CheckpointError
+from ._handle import SaveHandle
+
+
+class _Runner:
+    def __init__(self) -> None:
+        self.tg: anyio.abc.TaskGroup | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def serve(self, ready: anyio.Event) -> None:
+        async with anyio.create_task_group() as tg:
+            self.tg = tg
+            ready.set()
+            await anyio.sleep_forever()
+
+
+_runners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Runner] = weakref.WeakKeyDictionary()
+
+
+async def _runner() -> _Runner:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise CheckpointError("async_op=True needs a running asyncio event loop") from None
+    runner = _runners.get(loop)
+    if runner is None or runner.task is None or runner.task.done():
+        runner = _Runner()
+        ready = anyio.Event()
+        runner.task = loop.create_task(runner.serve(ready), name="aiockpt-background-saves")
+        _runners[loop] = runner
+        await ready.wait()
+    return runner
+
+
+async def start_background(
+    handle: SaveHandle, body: Callable[[Callable[[], None]], Awaitable[object]]
+) -> SaveHandle:
+    """Run ``body`` as ``handle``'s save in the background; return once it is staged.
+
+    Raises:
+        Exception: Whatever the save raised before it was staged.
+    """
+    runner = await _runner()
+    assert runner.tg is not None
+    result: SaveHandle = await runner.tg.start(handle._drive, body)  # noqa: SLF001
+    return result

@@ -1,0 +1,98 @@
+"""Stage 5: fill the manifest with every rank's checksums and publish the checkpoint atomically.
+
+Commit protocol (the coordinator alone): data files are already fsynced by the write stage; the manifest
+is written into the temp directory and fsynced, the temp directory is fsynced, then renamed to its final
+name without replacing anything, and the parent directory is fsynced. The rename is the commit point: a
+crash before it leaves only temp data (collected later), after it a complete checkpoint. Once begun, the
+commit is shielded from cancellation so that it always completes or fails as a whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import crc32c
+import msgspec
+
+from .._errors import CheckpointExistsError, StorageError
+from .._format import (
+    ENCODER,
+    FORMAT_VERSION,
+    MAGIC,
+    MANIFEST_NAME,
+    DictNode,
+    Envelope,
+    FileInfo,
+    Manifest,
+)
+from .._fs import fsync_dir, rename_noreplace, write_durable
+from .._threads import run_sync
+from .._version import __version__
+from ._global_plan import GlobalPlan
+from ._write import WriteResult
+
+
+def build_manifest(
+    plan: GlobalPlan,
+    results: Sequence[WriteResult],
+    *,
+    tree: DictNode,
+    step: int | None,
+    block: int,
+    user_metadata: dict[str, str | int | float | bool | None],
+) -> Manifest:
+    """The manifest of a checkpoint whose ranks wrote ``plan`` and reported ``results`` (in rank order)."""
+    chunks = [list(t.chunks) for t in plan.tensors]
+    for rank_plan, result in zip(plan.ranks, results):
+        for w, sums in zip(rank_plan.writes, result.checksums):
+            chunks[w.tensor][w.chunk] = msgspec.structs.replace(chunks[w.tensor][w.chunk], checksums=sums)
+    tensors = tuple(
+        msgspec.structs.replace(t, chunks=tuple(c)) for t, c in zip(plan.tensors, chunks)
+    )
+    files = tuple(FileInfo(name=r.file, nbytes=r.nbytes) for r in plan.ranks if r.writes)
+    return Manifest(
+        step=step,
+        world_size=len(plan.ranks),
+        created_at=time.time(),
+        library_version=__version__,
+        checksum_block=block,
+        tree=tree,
+        tensors=tensors,
+        files=files,
+        user_metadata=user_metadata,
+    )
+
+
+def encode_manifest(manifest: Manifest) -> tuple[bytes, int]:
+    """Encode ``manifest`` inside its checksummed :class:`Envelope`; return the bytes and the body CRC."""
+    body = ENCODER.encode(manifest)
+    crc = crc32c.crc32c(body)
+    return ENCODER.encode(Envelope(magic=MAGIC, format_version=FORMAT_VERSION, body_crc32c=crc, body=body)), crc
+
+
+async def commit(
+    tmpdir: Path, final: Path, manifest: bytes, limiter: anyio.CapacityLimiter | None = None
+) -> None:
+    """Write the manifest into ``tmpdir`` and publish ``tmpdir`` as ``final`` (see the module docstring).
+
+    Raises:
+        CheckpointExistsError: ``final`` appeared meanwhile; nothing was replaced.
+        StorageError: A write, fsync or rename failed.
+    """
+
+    def publish() -> None:
+        write_durable(tmpdir / MANIFEST_NAME, manifest)
+        fsync_dir(tmpdir)
+        rename_noreplace(tmpdir, final)
+        fsync_dir(final.parent)
+
+    with anyio.CancelScope(shield=True):
+        try:
+            await run_sync(publish, limiter)
+        except FileExistsError as exc:
+            raise CheckpointExistsError(f"checkpoint {final} already exists; nothing was replaced") from exc
+        except OSError as exc:
+            raise StorageError(f"cannot publish {final}: {exc.strerror or exc}", path=str(final)) from exc

@@ -1,0 +1,121 @@
+"""Stage 3, coordinator: merge every rank's local plan into who writes what, where. Pure at its core.
+
+Chunks held by several ranks (replicated tensors) are written once, by the candidate rank with the fewest
+bytes assigned so far, taking the largest chunks first, which balances write bytes across ranks. Each rank
+writes its chunks to its own data file at aligned offsets. The result also carries the manifest's tensor
+table, with checksums left empty for the finish stage to fill in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from .._errors import StateError
+from .._format import Chunk, KeyPath, TensorEntry, data_file_name
+from .._tree import render
+from ._local_plan import LocalPlan, WriteItem
+
+# Large chunks start on page boundaries (friendly to mmap and direct I/O); small ones are packed densely.
+PAGE = 4096
+SMALL_ALIGN = 64
+LARGE = 64 * 1024
+
+
+def align(offset: int, nbytes: int) -> int:
+    """The aligned file offset at or after ``offset`` for a chunk of ``nbytes``."""
+    a = PAGE if nbytes >= LARGE else SMALL_ALIGN
+    return -(-offset // a) * a
+
+
+class WriteAssignment(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Rank-local item ``item`` goes to ``offset`` of the rank's file; it is chunk ``chunk`` of ``tensor``."""
+
+    item: int
+    offset: int
+    tensor: int
+    chunk: int
+
+
+class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """What one rank writes, in file order."""
+
+    rank: int
+    file: str
+    nbytes: int
+    writes: tuple[WriteAssignment, ...]
+
+
+class GlobalPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The coordinator's view: every rank's plan and the manifest tensor table (checksums empty)."""
+
+    ranks: tuple[RankPlan, ...]
+    tensors: tuple[TensorEntry, ...]
+
+
+def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
+    """Assign every chunk held by any rank to exactly one writer and a file offset.
+
+    Tensor ``i`` of the manifest is item ``i`` of rank 0 (the coordinator's tree refers to tensors by that
+    index); tensors that rank 0 does not hold follow in order of first appearance.
+
+    Raises:
+        StateError: Ranks disagree on a tensor's dtype or global shape, naming the key and the ranks.
+    """
+    world = len(plans)
+    assert all(p.rank == r for r, p in enumerate(plans)), "local plans must be in rank order"
+    tensor_index: dict[KeyPath, int] = {}
+    first: list[tuple[int, WriteItem]] = []  # (rank, item) that introduced each tensor
+    # (tensor, offsets, sizes) -> candidate (rank, item index) pairs holding that chunk
+    holders: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
+    for plan in plans:
+        for j, item in enumerate(plan.items):
+            t = tensor_index.get(item.path)
+            if t is None:
+                t = tensor_index[item.path] = len(first)
+                first.append((plan.rank, item))
+            else:
+                r0, it0 = first[t]
+                if (it0.dtype, it0.shape) != (item.dtype, item.shape):
+                    raise StateError(
+                        f"ranks {r0} and {plan.rank} disagree on tensor {render(item.path)!r}: "
+                        f"{it0.dtype}{list(it0.shape)} vs {item.dtype}{list(item.shape)}",
+                        key=render(item.path),
+                    )
+            key = (t, item.offsets, item.sizes)
+            holders.setdefault(key, []).append((plan.rank, j))
+
+    # Largest chunks first, each to its least-loaded holder: a greedy balance of written bytes.
+    load = [0] * world
+    chosen: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = []  # rank, item, tensor, box
+    for (t, offs, sizes), cands in sorted(
+        holders.items(), key=lambda kv: -plans[kv[1][0][0]].items[kv[1][0][1]].nbytes
+    ):
+        rank, j = min(cands, key=lambda c: (load[c[0]], c[0]))
+        load[rank] += plans[rank].items[j].nbytes
+        chosen.append((rank, j, t, offs, sizes))
+
+    per_rank: list[list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]] = [[] for _ in range(world)]
+    for rank, j, t, offs, sizes in chosen:
+        per_rank[rank].append((j, t, offs, sizes))
+    chunks: list[list[Chunk]] = [[] for _ in first]
+    rank_plans = []
+    for rank, items in enumerate(per_rank):
+        items.sort()  # file order follows the rank's item order: sequential reads of a whole state
+        file = data_file_name(rank)
+        pos = 0
+        writes = []
+        for j, t, offs, sizes in items:
+            nbytes = plans[rank].items[j].nbytes
+            pos = align(pos, nbytes)
+            writes.append(WriteAssignment(item=j, offset=pos, tensor=t, chunk=len(chunks[t])))
+            chunks[t].append(Chunk(offsets=offs, sizes=sizes, file=file, offset=pos, nbytes=nbytes, checksums=()))
+            pos += nbytes
+        rank_plans.append(RankPlan(rank=rank, file=file, nbytes=pos, writes=tuple(writes)))
+
+    tensors = tuple(
+        TensorEntry(path=item.path, dtype=item.dtype, shape=item.shape, chunks=tuple(chunks[t]))
+        for t, (_, item) in enumerate(first)
+    )
+    return GlobalPlan(ranks=tuple(rank_plans), tensors=tensors)

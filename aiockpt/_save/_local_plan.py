@@ -1,0 +1,51 @@
+"""Stage 2, every rank: describe what this rank would write. Pure, no I/O."""
+
+from __future__ import annotations
+
+import msgspec
+
+from .._format import KeyPath
+from .._memory import nbytes_of
+from .._tree import Flattened, dtype_name
+
+
+class WriteItem(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One chunk of one tensor held by this rank.
+
+    ``offsets``/``sizes`` place the chunk in the global tensor of shape ``shape``. ``replicated`` chunks may
+    be held by several ranks with identical contents; the global plan writes them once.
+    """
+
+    path: KeyPath
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    nbytes: int
+    replicated: bool
+
+
+class LocalPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Every chunk this rank holds, in the order of its tensors (``items[i]`` is tensor ``i``)."""
+
+    rank: int
+    items: tuple[WriteItem, ...]
+
+
+def local_plan(rank: int, flat: Flattened) -> LocalPlan:
+    """Plan the writes of ``rank`` for a flattened state: one whole-tensor, replicated chunk per tensor."""
+    items = []
+    for path, t in zip(flat.paths, flat.tensors):
+        shape = tuple(t.shape)
+        items.append(
+            WriteItem(
+                path=path,
+                dtype=dtype_name(t.dtype),
+                shape=shape,
+                offsets=(0,) * len(shape),
+                sizes=shape,
+                nbytes=nbytes_of(t),
+                replicated=True,
+            )
+        )
+    return LocalPlan(rank=rank, items=tuple(items))

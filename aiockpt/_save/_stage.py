@@ -1,0 +1,106 @@
+"""Stage 1, every rank: flatten the state and make its bytes safe from later mutation.
+
+With ``copy=True`` (``async_op=True``) every tensor is copied into one host staging buffer from the pool,
+in a worker thread (``Tensor.copy_`` releases the GIL; GPU tensors are copied into pinned memory). When
+this stage returns, the caller may mutate its state freely. With ``copy=False`` (``async_op=False``)
+contiguous CPU tensors are written straight from their own memory and only the rest is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from .._memory import StagingPool, byte_view, nbytes_of
+from .._threads import run_sync
+from .._tree import Flattened, flatten
+
+# Staged tensors start at multiples of this, so every dtype view of the buffer is aligned.
+_ALIGN = 64
+
+
+@dataclass
+class Staged:
+    """The outcome of staging.
+
+    Attributes:
+        flat: The state's structure and unique tensors.
+        sources: The bytes of ``flat.tensors[i]`` in host memory that stays put until the write ends.
+        buffer: The staging buffer to give back to the pool afterwards, if one was used.
+        nbytes: Tensor bytes in the state.
+        copied: Of those, bytes copied into the staging buffer.
+    """
+
+    flat: Flattened
+    sources: list[memoryview]
+    buffer: torch.Tensor | None
+    nbytes: int
+    copied: int
+
+
+def _zero_copy(t: torch.Tensor) -> bool:
+    # Lazy conjugate/negative views would be written un-applied; they go through a copy instead.
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def stage_sync(state: Mapping[str, object], *, copy: bool, pool: StagingPool, allow_pickle: bool) -> Staged:
+    """Blocking body of :func:`stage`, for a worker thread."""
+    flat = flatten(state, allow_pickle=allow_pickle)
+    sources: list[memoryview] = [memoryview(b"")] * len(flat.tensors)
+    offsets: dict[int, int] = {}
+    total = 0
+    nbytes = 0
+    for i, t in enumerate(flat.tensors):
+        n = nbytes_of(t)
+        nbytes += n
+        if n == 0:
+            continue
+        if not copy and _zero_copy(t):
+            sources[i] = byte_view(t)
+            continue
+        offsets[i] = total
+        total += -(-n // _ALIGN) * _ALIGN
+    if not offsets:
+        return Staged(flat=flat, sources=sources, buffer=None, nbytes=nbytes, copied=0)
+
+    from_gpu = any(flat.tensors[i].device.type == "cuda" for i in offsets)
+    buffer = pool.acquire(total, pinned=from_gpu)
+    try:
+        for i, off in offsets.items():
+            t = flat.tensors[i]
+            n = nbytes_of(t)
+            dst = buffer[off : off + n].view(t.dtype).view(t.shape)
+            dst.copy_(t, non_blocking=t.device.type == "cuda")
+        if from_gpu:
+            torch.cuda.synchronize()
+    except BaseException:
+        pool.release(buffer)
+        raise
+    whole = byte_view(buffer)
+    copied = 0
+    for i, off in offsets.items():
+        n = nbytes_of(flat.tensors[i])
+        sources[i] = whole[off : off + n]
+        copied += n
+    return Staged(flat=flat, sources=sources, buffer=buffer, nbytes=nbytes, copied=copied)
+
+
+async def stage(
+    state: Mapping[str, object],
+    *,
+    copy: bool,
+    pool: StagingPool,
+    allow_pickle: bool,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> Staged:
+    """Flatten ``state`` and stage its tensors (see the module docstring).
+
+    Raises:
+        StateError: The state holds something that cannot be saved; the message names the key.
+    """
+    return await run_sync(
+        lambda: stage_sync(state, copy=copy, pool=pool, allow_pickle=allow_pickle), limiter=limiter
+    )

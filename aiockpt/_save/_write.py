@@ -1,0 +1,104 @@
+"""Stage 4, every rank: write this rank's chunks into its data file, checksum them, fsync.
+
+Chunks are cut into checksum blocks and batched into runs (see ``_runs``); worker threads take runs from a
+shared queue, checksum each block while it is hot in cache, and ``pwritev`` the run at its offset, so
+one file is written by several threads at once. The file is fsynced once, at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import crc32c
+import msgspec
+
+from .._errors import StorageError
+from .._runs import Piece, Run, group, split, write_run
+from .._threads import Aborted, run_sync, run_workers
+from ._global_plan import RankPlan
+
+
+class WriteResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What a rank reports after writing: per write of its plan, the CRC32C of each block."""
+
+    rank: int
+    checksums: tuple[tuple[int, ...], ...]
+    nbytes: int
+
+
+def blocks(nbytes: int, block: int) -> int:
+    """Number of checksum blocks of a chunk of ``nbytes`` (an empty chunk has one, of no bytes)."""
+    return max(1, -(-nbytes // block))
+
+
+def _pieces(plan: RankPlan, sources: Sequence[memoryview], block: int) -> list[Piece]:
+    pieces: list[Piece] = []
+    for j, w in enumerate(plan.writes):
+        pieces += split(w.offset, sources[w.item], j, block)
+    return pieces
+
+
+async def write(
+    plan: RankPlan,
+    sources: Sequence[memoryview],
+    directory: Path,
+    *,
+    block: int,
+    threads: int,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> WriteResult:
+    """Write ``plan``'s chunks, whose bytes are ``sources[item]``, into ``directory / plan.file``.
+
+    Returns:
+        The checksums of every block written.
+
+    Raises:
+        StorageError: The file could not be created, written or synced (e.g. the disk is full); the
+            message names the file.
+    """
+    if not plan.writes:
+        return WriteResult(rank=plan.rank, checksums=(), nbytes=0)
+    path = directory / plan.file
+    runs: deque[Run] = deque(group(_pieces(plan, sources, block)))
+    sums = [[0] * blocks(len(sources[w.item]), block) for w in plan.writes]
+    fd = -1
+
+    def open_file() -> int:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if plan.nbytes:
+                # Reserve the space up front: a full disk fails here, before any byte is written.
+                os.posix_fallocate(fd, 0, plan.nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def worker(abort: threading.Event) -> None:
+        while True:
+            if abort.is_set():
+                raise Aborted
+            try:
+                run = runs.popleft()
+            except IndexError:
+                return
+            for p in run.pieces:
+                sums[p.item][p.block] = crc32c.crc32c(p.view)
+            write_run(fd, run)
+
+    try:
+        fd = await run_sync(open_file, limiter)
+        await run_workers(worker, min(threads, max(1, len(runs))), limiter)
+        await run_sync(lambda: os.fsync(fd), limiter)
+    except OSError as exc:
+        raise StorageError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc
+    finally:
+        if fd >= 0:
+            with anyio.CancelScope(shield=True):
+                await run_sync(lambda: os.close(fd), limiter)
+    return WriteResult(rank=plan.rank, checksums=tuple(tuple(s) for s in sums), nbytes=plan.nbytes)

@@ -1,0 +1,69 @@
+"""Running blocking work off the event loop, with cooperative abort on cancellation.
+
+anyio waits for a worker thread to return even when the awaiting task is cancelled (a thread cannot be
+interrupted). So that cancelling a multi-GB write does not mean waiting for it to finish, workers poll a
+:class:`threading.Event` between units of work, and :func:`run_workers` sets it the moment its task is
+cancelled or any worker fails.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+
+T = TypeVar("T")
+
+
+class Aborted(Exception):
+    """Raised inside a worker that stopped because the abort event was set."""
+
+
+async def run_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
+    """Run one short blocking call in a worker thread (the event loop keeps ticking)."""
+    return await anyio.to_thread.run_sync(fn, limiter=limiter)
+
+
+async def run_workers(
+    work: Callable[[threading.Event], None], count: int, limiter: anyio.CapacityLimiter | None = None
+) -> None:
+    """Run ``work(abort)`` in ``count`` threads at once and wait for all of them.
+
+    ``work`` must return soon after ``abort`` is set. The first exception raised by a worker sets ``abort``
+    and is re-raised here once every worker has returned (an :class:`Aborted` of a sibling is dropped).
+
+    Raises:
+        Exception: The first worker failure.
+    """
+    abort = threading.Event()
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            work(abort)
+        except Aborted:
+            pass
+        except BaseException as exc:
+            errors.append(exc)
+            abort.set()
+
+    async def abort_on_cancel() -> None:
+        try:
+            await anyio.sleep_forever()
+        finally:
+            abort.set()
+
+    async with anyio.create_task_group() as outer:
+        # The watcher wakes only when cancelled: by a cancellation from outside (then the workers are told
+        # to stop), or by the line below once every worker has returned.
+        outer.start_soon(abort_on_cancel)
+        async with anyio.create_task_group() as workers:
+            for _ in range(count):
+                workers.start_soon(partial(anyio.to_thread.run_sync, guarded, limiter=limiter))
+        outer.cancel_scope.cancel()
+    if errors:
+        raise errors[0]

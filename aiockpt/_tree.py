@@ -1,0 +1,243 @@
+"""Walking a user's state: Stateful detection, key rendering and flattening into a :class:`~._format.Node`.
+
+Runs in a worker thread (it calls user ``state_dict()`` methods and may touch many objects), never on the
+event loop. Pure apart from those calls.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ._errors import StateError
+from ._format import (
+    BytesNode,
+    DictNode,
+    Key,
+    KeyPath,
+    ListNode,
+    Node,
+    PickleNode,
+    TensorNode,
+    TupleNode,
+    ValueNode,
+)
+
+# int64 range: msgpack's signed integers; unsigned values up to 2**64 - 1 are encodable too.
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, LR schedulers."""
+
+    def state_dict(self) -> Mapping[str, object]:
+        """Return the object's state as a mapping."""
+        ...
+
+    def load_state_dict(self, state_dict: Mapping[str, object], /) -> object:
+        """Restore the object's state from a mapping."""
+        ...
+
+
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` is saved through its ``state_dict()`` (tensors never are)."""
+    return not isinstance(obj, torch.Tensor) and isinstance(obj, Stateful)
+
+
+def render(path: KeyPath) -> str:
+    """Render a key path for messages: ``("optim", "state", 0, "exp_avg")`` -> ``optim/state/0/exp_avg``."""
+    return "/".join(str(k) for k in path) if path else "<root>"
+
+
+def type_name(obj: object) -> str:
+    """Return ``module.QualName`` of ``obj``'s type."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# Dtypes whose elements are not whole bytes, and quantized dtypes, have no raw byte layout we can commit to.
+_UNSUPPORTED_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in (
+        *(f"uint{i}" for i in range(1, 8)),
+        *(f"int{i}" for i in range(1, 8)),
+        "quint8",
+        "qint8",
+        "qint32",
+        "quint4x2",
+        "quint2x4",
+        "bits1x8",
+        "bits2x4",
+        "bits4x2",
+        "bits8",
+        "bits16",
+    )
+    if hasattr(torch, name)
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`.
+
+    Raises:
+        ValueError: ``name`` is not a torch dtype.
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def check_tensor(tensor: torch.Tensor, path: KeyPath) -> None:
+    """Refuse tensors that have no plain strided byte layout.
+
+    Raises:
+        StateError: Sparse, quantized, nested, meta or sub-byte tensors, naming the key.
+    """
+    problem = None
+    if tensor.layout != torch.strided:
+        problem = f"layout {tensor.layout} (convert with .to_dense())"
+    elif tensor.is_quantized or tensor.dtype in _UNSUPPORTED_DTYPES:
+        problem = f"dtype {tensor.dtype} has no byte layout aiockpt supports"
+    elif tensor.is_nested:
+        problem = "nested tensors are not supported"
+    elif tensor.device.type == "meta":
+        problem = "a meta tensor has no data"
+    if problem is not None:
+        raise StateError(f"cannot save tensor at key {render(path)!r}: {problem}", key=render(path))
+
+
+@dataclass
+class Flattened:
+    """A state split into its structure and its tensors.
+
+    Attributes:
+        tree: The structure, with tensors replaced by indices into ``tensors``.
+        tensors: Unique tensors in first-seen order (tied tensors appear once).
+        paths: The key path of the first occurrence of each tensor.
+    """
+
+    tree: DictNode
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    paths: list[KeyPath] = field(default_factory=list)
+
+
+def _tie_key(t: torch.Tensor) -> tuple[object, ...]:
+    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: list[torch.Tensor] = []
+        self.paths: list[KeyPath] = []
+        self.seen: dict[tuple[object, ...], int] = {}
+        self.active: set[int] = set()  # ids of containers on the current path, to refuse cycles
+
+    def node(self, obj: object, path: KeyPath) -> Node:
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if obj is None or type(obj) in (bool, str, float):
+            return ValueNode(value=obj)
+        if type(obj) is int and _INT_MIN <= obj <= _INT_MAX:
+            return ValueNode(value=obj)
+        if type(obj) is bytes:
+            return BytesNode(value=obj)
+        if isinstance(obj, (Mapping, list, tuple)) or is_stateful(obj):
+            if id(obj) in self.active:
+                raise StateError(f"the state contains a cycle at key {render(path)!r}", key=render(path))
+            self.active.add(id(obj))
+            try:
+                return self.container(obj, path)
+            finally:
+                self.active.discard(id(obj))
+        return self.fallback(obj, path)
+
+    def container(self, obj: object, path: KeyPath) -> Node:
+        if isinstance(obj, Mapping):
+            return self.mapping(obj, path, origin=None)
+        if type(obj) is list:
+            return ListNode(items=tuple(self.node(v, (*path, i)) for i, v in enumerate(obj)))
+        if type(obj) is tuple:
+            return TupleNode(items=tuple(self.node(v, (*path, i)) for i, v in enumerate(obj)))
+        if isinstance(obj, (list, tuple)):  # subclasses (namedtuple, torch.Size) would lose their type
+            return self.fallback(obj, path)
+        assert is_stateful(obj)
+        sd = obj.state_dict()  # type: ignore[attr-defined]
+        if not isinstance(sd, Mapping):
+            raise StateError(
+                f"state_dict() of {type_name(obj)} at key {render(path)!r} returned "
+                f"{type(sd).__name__}, not a mapping",
+                key=render(path),
+            )
+        return self.mapping(sd, path, origin=type_name(obj))
+
+    def mapping(self, obj: Mapping[object, object], path: KeyPath, origin: str | None) -> DictNode:
+        keys: list[Key] = []
+        values: list[Node] = []
+        for k, v in obj.items():
+            if not (type(k) is str or (type(k) is int and path)):
+                allowed = "str" if not path else "str or int"
+                raise StateError(
+                    f"key {k!r} under {render(path)!r} is a {type(k).__name__}; keys here must be {allowed}",
+                    key=render((*path, str(k))),
+                )
+            keys.append(k)
+            values.append(self.node(v, (*path, k)))
+        return DictNode(keys=tuple(keys), values=tuple(values), origin=origin)
+
+    def tensor(self, t: torch.Tensor, path: KeyPath) -> TensorNode:
+        check_tensor(t, path)
+        tie = _tie_key(t) if t.numel() > 0 else None
+        if tie is not None and tie in self.seen:
+            return TensorNode(index=self.seen[tie])
+        index = len(self.tensors)
+        self.tensors.append(t)
+        self.paths.append(path)
+        if tie is not None:
+            self.seen[tie] = index
+        return TensorNode(index=index)
+
+    def fallback(self, obj: object, path: KeyPath) -> PickleNode:
+        if not self.allow_pickle:
+            raise StateError(
+                f"cannot save {type_name(obj)} at key {render(path)!r} without pickle; "
+                "pass allow_pickle=True to store arbitrary objects (loading them can run code)",
+                key=render(path),
+            )
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise StateError(f"cannot pickle {type_name(obj)} at key {render(path)!r}: {exc}") from exc
+        return PickleNode(data=data, type_name=type_name(obj))
+
+
+def flatten(state: Mapping[str, object], *, allow_pickle: bool) -> Flattened:
+    """Split ``state`` into its structure and its unique tensors, calling ``state_dict()`` on Statefuls.
+
+    Args:
+        state: A mapping with str keys at the top.
+        allow_pickle: Store objects of other types by pickling them instead of refusing them.
+
+    Returns:
+        The structure and the tensors.
+
+    Raises:
+        StateError: ``state`` is not a mapping, a key has an unsupported type, an object cannot be stored,
+            or the state contains a cycle; the message names the key path.
+    """
+    if not isinstance(state, Mapping):
+        raise StateError(f"the state must be a mapping with str keys, not {type_name(state)}")
+    f = _Flattener(allow_pickle)
+    tree = f.mapping(state, (), origin=None)
+    return Flattened(tree=tree, tensors=f.tensors, paths=f.paths)

@@ -1,0 +1,252 @@
+"""Blocking facade for synchronous training loops.
+
+:class:`Checkpointer` runs an asyncio event loop in a background thread (through an anyio blocking
+portal) and forwards every call to an :class:`aiockpt.Checkpointer` living there, so background saves go
+on while the training loop computes. The module-level functions run one operation to completion.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Mapping, MutableMapping
+from typing import Literal, overload
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from . import _api
+from ._checkpointer import Checkpointer as AsyncCheckpointer
+from ._checkpointer import OnBusy
+from ._format import Key
+from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
+from ._options import IOConfig
+
+__all__ = ["Checkpointer", "SyncSaveHandle", "load", "read", "save"]
+
+
+def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
+    ready: queue.Queue[BlockingPortal | BaseException] = queue.Queue()
+
+    async def serve() -> None:
+        async with BlockingPortal() as portal:
+            ready.put(portal)
+            await portal.sleep_until_stopped()
+
+    def run() -> None:
+        try:
+            anyio.run(serve, backend="asyncio")
+        except BaseException as exc:  # pragma: no cover - start-up failure is reported to the caller
+            ready.put(exc)
+
+    # A daemon thread: an unclosed Checkpointer must not keep the interpreter alive at exit.
+    thread = threading.Thread(target=run, name="aiockpt-sync", daemon=True)
+    thread.start()
+    got = ready.get()
+    if isinstance(got, BaseException):
+        raise got
+    return got, thread
+
+
+class SyncSaveHandle:
+    """A save in flight, seen from synchronous code."""
+
+    def __init__(self, handle: SaveHandle, portal: BlockingPortal) -> None:
+        self._handle = handle
+        self._portal = portal
+
+    def __repr__(self) -> str:
+        return repr(self._handle).replace("<SaveHandle", "<SyncSaveHandle", 1)
+
+    @property
+    def state(self) -> SaveState:
+        """Where the save is now."""
+        return self._handle.state
+
+    @property
+    def metrics(self) -> SaveMetrics:
+        """Per-phase seconds and bytes."""
+        return self._handle.metrics
+
+    @property
+    def skipped(self) -> bool:
+        """Whether ``on_busy="skip"`` dropped this save."""
+        return self._handle.skipped
+
+    def done(self) -> bool:
+        """Whether the save has ended."""
+        return self._handle.done()
+
+    def cancel(self) -> None:
+        """Ask the save to stop (see :meth:`aiockpt.SaveHandle.cancel`)."""
+        self._portal.call(self._cancel)
+
+    async def _cancel(self) -> None:
+        self._handle.cancel()
+
+    def result(self, timeout: float | None = None) -> Metadata:
+        """Block until the checkpoint is durable and return its metadata.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first (the save goes on).
+            CheckpointError: The save failed, was cancelled or skipped.
+        """
+        future = self._portal.start_task_soon(self._handle.wait)
+        return future.result(timeout)
+
+
+class Checkpointer:
+    """The blocking twin of :class:`aiockpt.Checkpointer`; use it as a context manager.
+
+    Takes the same arguments. Background saves run on a private event-loop thread.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        max_inflight: int = 1,
+        on_busy: OnBusy = "wait",
+        allow_pickle: bool = False,
+        io: IOConfig | None = None,
+    ) -> None:
+        self._ckpt = AsyncCheckpointer(
+            root,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            max_inflight=max_inflight,
+            on_busy=on_busy,
+            allow_pickle=allow_pickle,
+            io=io,
+        )
+        self._portal, self._thread = _start_portal()
+        try:
+            self._portal.call(self._ckpt.open)
+        except BaseException:
+            self._stop()
+            raise
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def root(self) -> os.PathLike[str]:
+        """The checkpoint root directory."""
+        return self._ckpt.root
+
+    @overload
+    def save(
+        self,
+        state: Mapping[str, object],
+        *,
+        step: int,
+        async_op: Literal[False] = ...,
+        metadata: dict[str, str | int | float | bool | None] | None = ...,
+    ) -> Metadata: ...
+
+    @overload
+    def save(
+        self,
+        state: Mapping[str, object],
+        *,
+        step: int,
+        async_op: Literal[True],
+        metadata: dict[str, str | int | float | bool | None] | None = ...,
+    ) -> SyncSaveHandle: ...
+
+    def save(
+        self,
+        state: Mapping[str, object],
+        *,
+        step: int,
+        async_op: bool = False,
+        metadata: dict[str, str | int | float | bool | None] | None = None,
+    ) -> Metadata | SyncSaveHandle:
+        """Save ``state`` as ``step``; see :meth:`aiockpt.Checkpointer.save`."""
+        if async_op:
+            handle = self._portal.call(lambda: self._ckpt.save(state, step=step, async_op=True, metadata=metadata))
+            return SyncSaveHandle(handle, self._portal)
+        return self._portal.call(lambda: self._ckpt.save(state, step=step, metadata=metadata))
+
+    def load(
+        self, state: MutableMapping[str, object], *, step: int | None = None, strict: bool = True
+    ) -> int | None:
+        """Load ``step`` (default: latest) into ``state``; see :meth:`aiockpt.Checkpointer.load`."""
+        return self._portal.call(lambda: self._ckpt.load(state, step=step, strict=strict))
+
+    def read(self, step: int | None = None) -> dict[Key, object]:
+        """Read ``step`` (default: latest) as a fresh tree; see :meth:`aiockpt.Checkpointer.read`."""
+        return self._portal.call(lambda: self._ckpt.read(step))
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return self._portal.call(self._ckpt.refresh)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def wait(self) -> None:
+        """Block until every save in flight has ended."""
+        self._portal.call(self._ckpt.wait)
+
+    def close(self, *, cancel: bool = False) -> None:
+        """Finish (or cancel) the saves in flight and stop the event-loop thread."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._portal.call(lambda: self._ckpt.aclose(cancel=cancel))
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self._portal.call(self._portal.stop)
+        self._thread.join()
+
+
+def save(
+    state: Mapping[str, object],
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    metadata: dict[str, str | int | float | bool | None] | None = None,
+    io: IOConfig | None = None,
+) -> Metadata:
+    """Save ``state`` to ``path`` and return once durable; see :func:`aiockpt.save`."""
+
+    async def run() -> Metadata:
+        return await _api.save(state, path, allow_pickle=allow_pickle, metadata=metadata, io=io)
+
+    return anyio.run(run)
+
+
+def load(
+    state: MutableMapping[str, object],
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    io: IOConfig | None = None,
+) -> MutableMapping[str, object]:
+    """Load ``path`` into ``state`` in place; see :func:`aiockpt.load`."""
+
+    async def run() -> MutableMapping[str, object]:
+        return await _api.load(state, path, strict=strict, allow_pickle=allow_pickle, io=io)
+
+    return anyio.run(run)
+
+
+def read(path: str | os.PathLike[str], *, allow_pickle: bool = False, io: IOConfig | None = None) -> dict[Key, object]:
+    """Read ``path`` as a fresh tree of CPU tensors; see :func:`aiockpt.read`."""
+
+    async def run() -> dict[Key, object]:
+        return await _api.read(path, allow_pickle=allow_pickle, io=io)
+
+    return anyio.run(run)
