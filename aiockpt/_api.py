@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
-from pathlib import Path
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Literal, overload
 
 from ._format import Key
+from ._fs import absolute
 from ._handle import Metadata, SaveHandle
 from ._load import run_load, run_read
 from ._memory import StagingPool
@@ -72,7 +72,7 @@ async def save(
     """
     req = SaveRequest(
         state=state,
-        path=Path(path).absolute(),
+        path=absolute(path),
         copy=async_op,
         allow_pickle=allow_pickle,
         user_metadata=dict(metadata or {}),
@@ -81,15 +81,17 @@ async def save(
     handle = SaveHandle(path=str(req.path), step=None)
     pool = StagingPool()
 
-    async def body(on_staged: object) -> Metadata:
+    async def body(on_staged: Callable[[], None]) -> Metadata:
         try:
-            return await run_save(req, world=LocalWorld(), pool=pool, metrics=handle.metrics, on_staged=on_staged)  # type: ignore[arg-type]
+            return await run_save(
+                req, world=LocalWorld(), pool=pool, metrics=handle.metrics, on_staged=on_staged
+            )
         finally:
             pool.close()
 
     if async_op:
         return await start_background(handle, body)
-    await handle._drive(body)  # noqa: SLF001
+    await handle._drive(body)
     return await handle
 
 
@@ -125,7 +127,7 @@ async def load(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
     """
-    await run_load(state, Path(path).absolute(), strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+    await run_load(state, absolute(path), strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
     return state
 
 
@@ -142,4 +144,4 @@ async def read(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateError: A pickled object is stored and ``allow_pickle`` is false.
     """
-    return await run_read(Path(path).absolute(), allow_pickle=allow_pickle, io=io or IOConfig())
+    return await run_read(absolute(path), allow_pickle=allow_pickle, io=io or IOConfig())

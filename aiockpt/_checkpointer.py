@@ -12,9 +12,15 @@ from typing import Literal, overload
 
 import anyio
 
-from ._errors import BusyError, CheckpointError, CheckpointExistsError, CheckpointNotFoundError, SaveSkippedError
+from ._errors import (
+    BusyError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    SaveSkippedError,
+)
 from ._format import Key
-from ._fs import TMP_PREFIX, collect_garbage, fsync_dir, remove_tree, replace_durable
+from ._fs import TMP_PREFIX, absolute, collect_garbage, fsync_dir, remove_tree, replace_durable
 from ._handle import Metadata, SaveHandle
 from ._load import is_checkpoint, run_load, run_read
 from ._memory import StagingPool
@@ -85,7 +91,7 @@ class Checkpointer:
             raise CheckpointError(f"max_inflight must be at least 1, not {max_inflight}")
         if on_busy not in ("wait", "skip", "error"):
             raise CheckpointError(f"on_busy must be 'wait', 'skip' or 'error', not {on_busy!r}")
-        self.root = Path(root).absolute()
+        self.root = absolute(root)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.max_inflight = max_inflight
@@ -202,7 +208,7 @@ class Checkpointer:
             if self.on_busy == "error":
                 raise BusyError(f"cannot save step {step}: {busy}")
             if async_op:
-                return SaveHandle._skipped(path=str(path), step=step)  # noqa: SLF001
+                return SaveHandle._skipped(path=str(path), step=step)
             raise SaveSkippedError(f"skipped the save of step {step}: {busy}")
         await self._slots.acquire()
         handle = SaveHandle(path=str(path), step=step)
@@ -233,7 +239,7 @@ class Checkpointer:
         try:
             if async_op:
                 return await start_background(handle, body)
-            await handle._drive(body)  # noqa: SLF001
+            await handle._drive(body)
         except BaseException:
             if not handle.done():  # failed before the body ran: give the slot back here
                 self._inflight.pop(step, None)
@@ -320,11 +326,12 @@ class Checkpointer:
 
     async def wait(self) -> None:
         """Wait until every save in flight has ended (whatever its outcome)."""
-        for handle in list(self._inflight.values()):
+        while self._inflight:
+            step, handle = next(iter(self._inflight.items()))
             with contextlib.suppress(CheckpointError):
                 await handle
-        while self._inflight:
-            await anyio.sleep(0.001)
+            if self._inflight.get(step) is handle:  # ended without reaching its own clean-up
+                del self._inflight[step]
 
     async def aclose(self, *, cancel: bool = False) -> None:
         """Wait for the saves in flight (or cancel them with ``cancel=True``), then free staging buffers."""

@@ -12,15 +12,13 @@ working, and a change that old readers would misread bumps :data:`FORMAT_VERSION
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 FORMAT_VERSION = 1
 MAGIC = "aiockpt"
 MANIFEST_NAME = "manifest.msgpack"
 
-Key = Union[str, int]
+Key = str | int
 KeyPath = tuple[Key, ...]
 
 
@@ -79,7 +77,7 @@ class PickleNode(msgspec.Struct, frozen=True, kw_only=True, tag="pickle"):
     type_name: str
 
 
-Node = Union[DictNode, ListNode, TupleNode, TensorNode, ValueNode, BytesNode, PickleNode]
+Node = DictNode | ListNode | TupleNode | TensorNode | ValueNode | BytesNode | PickleNode
 
 
 # --- Tensors --------------------------------------------------------------------------------------------

@@ -38,6 +38,11 @@ def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 _renameat2 = _load_renameat2()
 
 
+def absolute(path: str | os.PathLike[str]) -> Path:
+    """``path`` made absolute against the working directory (a ``getcwd``, which never waits on a disk)."""
+    return Path(os.path.abspath(path))
+
+
 def rename_noreplace(src: Path, dst: Path) -> None:
     """Atomically rename ``src`` to ``dst``, failing if ``dst`` exists.
 
@@ -96,19 +101,18 @@ def replace_durable(path: Path, data: bytes) -> None:
 
 def remove_tree(path: Path) -> None:
     """Remove a directory tree or file; entries that vanish meanwhile (another collector) are fine."""
-
-    def _ignore_missing(func: object, p: str, exc: BaseException) -> None:
-        if not isinstance(exc, FileNotFoundError):
-            raise exc
-
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, onexc=_ignore_missing) if _HAS_ONEXC else shutil.rmtree(path, ignore_errors=True)
-    else:
+    if not (path.is_dir() and not path.is_symlink()):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-
-
-_HAS_ONEXC = "onexc" in shutil.rmtree.__code__.co_varnames
+        return
+    for _ in range(3):  # a concurrent collector may remove entries under our feet: start over
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                return
+    shutil.rmtree(path)
 
 
 class OwnerLock:

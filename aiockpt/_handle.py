@@ -28,7 +28,8 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
         files: Data files and their sizes.
         created_at: Unix time of the commit.
         manifest_crc32c: Checksum of the manifest body.
-        timings: Seconds spent in each phase: ``stage``, ``local_plan``, ``global_plan``, ``write``, ``finish``.
+        timings: Seconds spent in each phase: ``stage``, ``local_plan``, ``global_plan``, ``write``,
+            ``finish``.
     """
 
     path: str

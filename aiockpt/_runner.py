@@ -59,5 +59,5 @@ async def start_background(
     """
     runner = await _runner()
     assert runner.tg is not None
-    result: SaveHandle = await runner.tg.start(handle._drive, body)  # noqa: SLF001
+    result: SaveHandle = await runner.tg.start(handle._drive, body)
     return result

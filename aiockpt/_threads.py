@@ -9,8 +9,8 @@ cancelled or any worker fails.
 from __future__ import annotations
 
 import threading
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 import anyio

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
@@ -148,7 +148,7 @@ class _Flattener:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if obj is None or type(obj) in (bool, str, float):
-            return ValueNode(value=obj)
+            return ValueNode(value=cast("bool | str | float | None", obj))
         if type(obj) is int and _INT_MIN <= obj <= _INT_MAX:
             return ValueNode(value=obj)
         if type(obj) is bytes:
@@ -239,5 +239,5 @@ def flatten(state: Mapping[str, object], *, allow_pickle: bool) -> Flattened:
     if not isinstance(state, Mapping):
         raise StateError(f"the state must be a mapping with str keys, not {type_name(state)}")
     f = _Flattener(allow_pickle)
-    tree = f.mapping(state, (), origin=None)
+    tree = f.mapping(cast("Mapping[object, object]", state), (), origin=None)
     return Flattened(tree=tree, tensors=f.tensors, paths=f.paths)

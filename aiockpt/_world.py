@@ -49,7 +49,8 @@ class LocalWorld:
 
     async def scatter(self, payloads: Sequence[bytes] | None) -> bytes:
         """Return this rank's payload."""
-        assert payloads is not None and len(payloads) == 1
+        assert payloads is not None
+        assert len(payloads) == 1
         return payloads[0]
 
     async def broadcast(self, payload: bytes | None) -> bytes:

@@ -170,7 +170,9 @@ class Checkpointer:
     ) -> Metadata | SyncSaveHandle:
         """Save ``state`` as ``step``; see :meth:`aiockpt.Checkpointer.save`."""
         if async_op:
-            handle = self._portal.call(lambda: self._ckpt.save(state, step=step, async_op=True, metadata=metadata))
+            handle = self._portal.call(
+                lambda: self._ckpt.save(state, step=step, async_op=True, metadata=metadata)
+            )
             return SyncSaveHandle(handle, self._portal)
         return self._portal.call(lambda: self._ckpt.save(state, step=step, metadata=metadata))
 
@@ -243,7 +245,9 @@ def load(
     return anyio.run(run)
 
 
-def read(path: str | os.PathLike[str], *, allow_pickle: bool = False, io: IOConfig | None = None) -> dict[Key, object]:
+def read(
+    path: str | os.PathLike[str], *, allow_pickle: bool = False, io: IOConfig | None = None
+) -> dict[Key, object]:
     """Read ``path`` as a fresh tree of CPU tensors; see :func:`aiockpt.read`."""
 
     async def run() -> dict[Key, object]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import MutableMapping
 from pathlib import Path
+from typing import cast
 
 import anyio
 import torch
@@ -35,7 +36,7 @@ async def _fill(
         for obj, sd, key in plan.statefuls:
             try:
                 if isinstance(obj, torch.nn.Module):
-                    obj.load_state_dict(sd, strict=False)
+                    obj.load_state_dict(cast("dict[str, object]", sd), strict=False)
                 else:
                     obj.load_state_dict(sd)  # type: ignore[attr-defined]
             except Exception as exc:

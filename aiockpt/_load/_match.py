@@ -15,6 +15,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -123,9 +124,7 @@ class _Matcher:
         sd = self.mapping(node, template, path, create=not complete)
         if isinstance(obj, torch.nn.Module):
             # Tensors read in place already are the module's own memory: hand over only the rest.
-            sd = {
-                k: v for k, v in sd.items() if not (isinstance(v, torch.Tensor) and v is template.get(k))
-            }
+            sd = {k: v for k, v in sd.items() if not (isinstance(v, torch.Tensor) and v is template.get(k))}
         self.plan.statefuls.append((obj, sd, path))
         return obj
 
@@ -134,7 +133,7 @@ class _Matcher:
     ) -> dict[Key, object]:
         out: dict[Key, object] = {}
         have = tmpl if isinstance(tmpl, Mapping) else {}
-        for k, child in zip(node.keys, node.values):
+        for k, child in zip(node.keys, node.values, strict=True):
             sub = (*path, k)
             if k in have:
                 out[k] = self.build(child, have[k], sub, create=create)
@@ -144,9 +143,10 @@ class _Matcher:
                 self.diff(f"{render(sub)}: unexpected key (in the checkpoint, not in the target)")
         if isinstance(tmpl, Mapping):
             present = set(node.keys)
-            for k in tmpl:
-                if k not in present:
-                    self.diff(f"{render((*path, k))}: missing key (in the target, not in the checkpoint)")  # type: ignore[arg-type]
+            for name in tmpl:
+                if name not in present:
+                    missing = (*path, cast("Key", name))
+                    self.diff(f"{render(missing)}: missing key (in the target, not in the checkpoint)")
         return out
 
     def sequence(self, node: ListNode | TupleNode, tmpl: object, path: KeyPath, *, create: bool) -> object:
@@ -155,9 +155,12 @@ class _Matcher:
             items = [self.build(c, MISSING, (*path, i), create=create) for i, c in enumerate(node.items)]
         elif isinstance(tmpl, (list, tuple)):
             if len(tmpl) != len(node.items):
-                self.diff(f"{render(path)}: the target has {len(tmpl)} items, the checkpoint {len(node.items)}")
+                self.diff(
+                    f"{render(path)}: the target has {len(tmpl)} items, the checkpoint {len(node.items)}"
+                )
                 return tmpl
-            items = [self.build(c, t, (*path, i), create=create) for i, (c, t) in enumerate(zip(node.items, tmpl))]
+            pairs = enumerate(zip(node.items, tmpl, strict=True))
+            items = [self.build(c, t, (*path, i), create=create) for i, (c, t) in pairs]
         else:
             self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a {kind.__name__}")
             return tmpl
@@ -169,7 +172,9 @@ class _Matcher:
         if isinstance(tmpl, torch.Tensor):
             dtype = str(tmpl.dtype).removeprefix("torch.")
             if dtype != entry.dtype or tuple(tmpl.shape) != entry.shape:
-                self.diff(f"{render(path)}: the target is {_describe(tmpl)}, the checkpoint {_entry_desc(entry)}")
+                self.diff(
+                    f"{render(path)}: the target is {_describe(tmpl)}, the checkpoint {_entry_desc(entry)}"
+                )
                 return tmpl
             if dest is None:
                 self.plan.destinations[node.index] = Destination(node.index, tmpl, fresh=False)
@@ -206,20 +211,17 @@ class _Matcher:
 def _kind(node: Node) -> str:
     if isinstance(node, ValueNode):
         return type(node.value).__name__
-    return {"dict": "dict", "list": "list", "tuple": "tuple", "tensor": "tensor", "bytes": "bytes"}.get(
-        type(node).__struct_config__.tag, "pickled object"  # type: ignore[arg-type]
-    )
+    names = {DictNode: "dict", ListNode: "list", TupleNode: "tuple", TensorNode: "tensor", BytesNode: "bytes"}
+    return names.get(type(node), "pickled object")
 
 
-def match(
-    manifest: Manifest, state: MutableMapping[str, object] | None, *, allow_pickle: bool
-) -> LoadPlan:
+def match(manifest: Manifest, state: MutableMapping[str, object] | None, *, allow_pickle: bool) -> LoadPlan:
     """Match ``manifest`` against ``state`` (``None``: build everything fresh, as :func:`aiockpt.read`).
 
     Raises:
         StateError: A pickled object is met without ``allow_pickle``.
     """
     m = _Matcher(manifest, allow_pickle)
-    tmpl: Mapping[object, object] | _Missing = MISSING if state is None else state
+    tmpl = MISSING if state is None else cast("Mapping[object, object]", state)
     m.plan.result = m.mapping(manifest.tree, tmpl, (), create=False)
     return m.plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,12 +63,21 @@ def prepare(
                 continue
             buf = torch.empty(chunk.sizes, dtype=target.dtype)
             keep.append(buf)
-            box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+            box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
             copies.insert(0, lambda t=target, b=buf, box=box: t[box].copy_(b))  # type: ignore[misc]
             reads.append(_Read(index, chunk, byte_view(buf)))
-        for other in dest.also:
-            copies.append(lambda o=other, t=dest.tensor: o.copy_(t))  # type: ignore[misc]
+        copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
     return reads, copies, keep
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _run_all(calls: Iterable[Callable[[], object]]) -> None:
+    for call in calls:
+        call()
 
 
 async def read_into(
@@ -142,12 +151,12 @@ async def read_into(
         if jobs:
             await run_workers(worker, min(threads, len(jobs)), limiter)
         if copies:
-            await run_sync(lambda: [c() for c in copies] and None, limiter)
+            await run_sync(lambda: _run_all(copies), limiter)
     except OSError as exc:
         raise StorageError(f"cannot read checkpoint data in {directory}: {exc.strerror or exc}") from exc
     finally:
         if fds:
             with anyio.CancelScope(shield=True):
-                await run_sync(lambda: [os.close(fd) for fd in fds.values()] and None, limiter)
+                await run_sync(lambda: _close_all(fds.values()), limiter)
     del keep
     return sum(len(r.view) for r in reads)

@@ -11,6 +11,7 @@ import os
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -91,7 +92,9 @@ async def run_save(
     try:
         await run_sync(lambda: _check_target(req.path), limiter)
     except OSError as exc:
-        raise StorageError(f"cannot create {req.path.parent}: {exc.strerror or exc}", path=str(req.path)) from exc
+        raise StorageError(
+            f"cannot create {req.path.parent}: {exc.strerror or exc}", path=str(req.path)
+        ) from exc
     staged = await stage(req.state, copy=req.copy, pool=pool, allow_pickle=req.allow_pickle, limiter=limiter)
     metrics.phase("stage")
     metrics.nbytes, metrics.staged_bytes = staged.nbytes, staged.copied
@@ -114,7 +117,9 @@ async def run_save(
         try:
             tmp = await run_sync(lambda: _open_tmp(req.path), limiter)
         except OSError as exc:
-            raise StorageError(f"cannot create a temp dir beside {req.path}: {exc}", path=str(req.path)) from exc
+            raise StorageError(
+                f"cannot create a temp dir beside {req.path}: {exc}", path=str(req.path)
+            ) from exc
         result = await write(
             mine, staged.sources, tmp[0], block=req.io.checksum_block, threads=req.io.threads, limiter=limiter
         )
@@ -125,7 +130,8 @@ async def run_save(
             staged.buffer = None
 
         results = await world.gather(ENCODER.encode(result))
-        assert plan is not None and results is not None
+        assert plan is not None
+        assert results is not None
         manifest = build_manifest(
             plan,
             [_WRITE_RESULT.decode(b) for b in results],
@@ -142,7 +148,7 @@ async def run_save(
     except BaseException:
         if tmp is not None:
             with anyio.CancelScope(shield=True):
-                await run_sync(lambda: _discard_tmp(*tmp), limiter)  # type: ignore[misc]
+                await run_sync(partial(_discard_tmp, *tmp), limiter)
         raise
     finally:
         if staged.buffer is not None:

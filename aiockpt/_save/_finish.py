@@ -46,12 +46,12 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of a checkpoint whose ranks wrote ``plan`` and reported ``results`` (in rank order)."""
     chunks = [list(t.chunks) for t in plan.tensors]
-    for rank_plan, result in zip(plan.ranks, results):
-        for w, sums in zip(rank_plan.writes, result.checksums):
-            chunks[w.tensor][w.chunk] = msgspec.structs.replace(chunks[w.tensor][w.chunk], checksums=sums)
-    tensors = tuple(
-        msgspec.structs.replace(t, chunks=tuple(c)) for t, c in zip(plan.tensors, chunks)
-    )
+    for rank_plan, result in zip(plan.ranks, results, strict=True):
+        for w, sums in zip(rank_plan.writes, result.checksums, strict=True):
+            old = chunks[w.tensor][w.chunk]
+            chunks[w.tensor][w.chunk] = msgspec.structs.replace(old, checksums=sums)
+    pairs = zip(plan.tensors, chunks, strict=True)
+    tensors = tuple(msgspec.structs.replace(t, chunks=tuple(c)) for t, c in pairs)
     files = tuple(FileInfo(name=r.file, nbytes=r.nbytes) for r in plan.ranks if r.writes)
     return Manifest(
         step=step,
@@ -70,7 +70,9 @@ def encode_manifest(manifest: Manifest) -> tuple[bytes, int]:
     """Encode ``manifest`` inside its checksummed :class:`Envelope`; return the bytes and the body CRC."""
     body = ENCODER.encode(manifest)
     crc = crc32c.crc32c(body)
-    return ENCODER.encode(Envelope(magic=MAGIC, format_version=FORMAT_VERSION, body_crc32c=crc, body=body)), crc
+    return ENCODER.encode(
+        Envelope(magic=MAGIC, format_version=FORMAT_VERSION, body_crc32c=crc, body=body)
+    ), crc
 
 
 async def commit(

@@ -110,7 +110,9 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
             nbytes = plans[rank].items[j].nbytes
             pos = align(pos, nbytes)
             writes.append(WriteAssignment(item=j, offset=pos, tensor=t, chunk=len(chunks[t])))
-            chunks[t].append(Chunk(offsets=offs, sizes=sizes, file=file, offset=pos, nbytes=nbytes, checksums=()))
+            chunks[t].append(
+                Chunk(offsets=offs, sizes=sizes, file=file, offset=pos, nbytes=nbytes, checksums=())
+            )
             pos += nbytes
         rank_plans.append(RankPlan(rank=rank, file=file, nbytes=pos, writes=tuple(writes)))
 

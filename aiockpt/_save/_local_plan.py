@@ -35,7 +35,7 @@ class LocalPlan(msgspec.Struct, frozen=True, kw_only=True):
 def local_plan(rank: int, flat: Flattened) -> LocalPlan:
     """Plan the writes of ``rank`` for a flattened state: one whole-tensor, replicated chunk per tensor."""
     items = []
-    for path, t in zip(flat.paths, flat.tensors):
+    for path, t in zip(flat.paths, flat.tensors, strict=True):
         shape = tuple(t.shape)
         items.append(
             WriteItem(
