@@ -27,12 +27,15 @@ def data_file_name(rank: int) -> str:
     return f"data-r{rank:05d}.bin"
 
 
+# Every struct here is immutable and holds only atoms, tuples and other such structs, so none can be part
+# of a reference cycle: ``gc=False`` keeps the collector from tracking (and rescanning) them.
+
 # --- The state tree -------------------------------------------------------------------------------------
 # The structure of the saved state, with tensors replaced by indices into ``Manifest.tensors``. It lets
 # ``read`` rebuild the nested containers exactly (dict vs list vs tuple, int vs str keys).
 
 
-class DictNode(msgspec.Struct, frozen=True, kw_only=True, tag="dict"):
+class DictNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="dict"):
     """A mapping. ``origin`` names the class of the Stateful it came from, if any."""
 
     keys: tuple[Key, ...]
@@ -40,37 +43,37 @@ class DictNode(msgspec.Struct, frozen=True, kw_only=True, tag="dict"):
     origin: str | None = None
 
 
-class ListNode(msgspec.Struct, frozen=True, kw_only=True, tag="list"):
+class ListNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="list"):
     """A list."""
 
     items: tuple[Node, ...]
 
 
-class TupleNode(msgspec.Struct, frozen=True, kw_only=True, tag="tuple"):
+class TupleNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="tuple"):
     """A tuple."""
 
     items: tuple[Node, ...]
 
 
-class TensorNode(msgspec.Struct, frozen=True, kw_only=True, tag="tensor"):
+class TensorNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="tensor"):
     """A tensor; ``index`` points into ``Manifest.tensors``. Tied tensors share an index."""
 
     index: int
 
 
-class ValueNode(msgspec.Struct, frozen=True, kw_only=True, tag="value"):
+class ValueNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="value"):
     """A plain scalar value stored inline."""
 
     value: int | float | bool | str | None
 
 
-class BytesNode(msgspec.Struct, frozen=True, kw_only=True, tag="bytes"):
+class BytesNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="bytes"):
     """A ``bytes`` value stored inline."""
 
     value: bytes
 
 
-class PickleNode(msgspec.Struct, frozen=True, kw_only=True, tag="pickle"):
+class PickleNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="pickle"):
     """An arbitrary object, pickled; only written and read with ``allow_pickle=True``."""
 
     data: bytes
@@ -83,7 +86,7 @@ Node = DictNode | ListNode | TupleNode | TensorNode | ValueNode | BytesNode | Pi
 # --- Tensors --------------------------------------------------------------------------------------------
 
 
-class Chunk(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class Chunk(msgspec.Struct, frozen=True, kw_only=True, gc=False, array_like=True):
     """One stored piece of a tensor: a box of the global tensor at a byte range of a data file.
 
     ``checksums[i]`` is the CRC32C of bytes ``[i * block, (i + 1) * block)`` of the chunk, where ``block`` is
@@ -98,7 +101,7 @@ class Chunk(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     checksums: tuple[int, ...]
 
 
-class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, gc=False, array_like=True):
     """A logical (global) tensor and the chunks that store it."""
 
     path: KeyPath
@@ -107,14 +110,14 @@ class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     chunks: tuple[Chunk, ...]
 
 
-class FileInfo(msgspec.Struct, frozen=True, kw_only=True):
+class FileInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A data file of a checkpoint."""
 
     name: str
     nbytes: int
 
 
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+class Manifest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Everything needed to read a checkpoint back; written last, after every data file is durable."""
 
     format_version: int = FORMAT_VERSION
@@ -130,7 +133,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     user_metadata: dict[str, str | int | float | bool | None] = {}
 
 
-class Envelope(msgspec.Struct, frozen=True, kw_only=True):
+class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The outer layer of ``manifest.msgpack``; stable across format versions."""
 
     magic: str

@@ -81,9 +81,15 @@ _UNSUPPORTED_DTYPES = frozenset(
 )
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -104,6 +110,13 @@ def check_tensor(tensor: torch.Tensor, path: KeyPath) -> None:
     Raises:
         StateError: Sparse, quantized, nested, meta or sub-byte tensors, naming the key.
     """
+    if (
+        tensor.layout is torch.strided
+        and tensor.dtype not in _UNSUPPORTED_DTYPES
+        and not tensor.is_meta
+        and not tensor.is_nested
+    ):
+        return
     problem = None
     if tensor.layout != torch.strided:
         problem = f"layout {tensor.layout} (convert with .to_dense())"
@@ -133,7 +146,10 @@ class Flattened:
 
 
 def _tie_key(t: torch.Tensor) -> tuple[object, ...]:
-    return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    # Same memory, dtype, shape and strides: the very same values, saved once.
+    if t.device.type == "cpu":
+        return (t.data_ptr(), t.dtype, t.shape, t.stride())
+    return (t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
 class _Flattener:

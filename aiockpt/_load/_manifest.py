@@ -10,6 +10,7 @@ import msgspec
 
 from .._errors import CheckpointNotFoundError, CorruptionError, FormatError
 from .._format import ENVELOPE_DECODER, FORMAT_VERSION, MAGIC, MANIFEST_DECODER, MANIFEST_NAME, Manifest
+from .._gc import paused
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -49,7 +50,8 @@ def read_manifest(path: Path) -> Manifest:
     if crc32c.crc32c(env.body) != env.body_crc32c:
         raise CorruptionError(f"{file} is damaged: its checksum does not match", file=str(file))
     try:
-        return MANIFEST_DECODER.decode(env.body)
+        with paused():
+            return MANIFEST_DECODER.decode(env.body)
     except msgspec.DecodeError as exc:
         raise FormatError(f"{file} cannot be decoded: {exc}", file=str(file)) from exc
 

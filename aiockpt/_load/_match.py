@@ -34,6 +34,7 @@ from .._format import (
     TupleNode,
     ValueNode,
 )
+from .._gc import paused
 from .._tree import dtype_from_name, is_stateful, render
 
 
@@ -223,5 +224,6 @@ def match(manifest: Manifest, state: MutableMapping[str, object] | None, *, allo
     """
     m = _Matcher(manifest, allow_pickle)
     tmpl = MISSING if state is None else cast("Mapping[object, object]", state)
-    m.plan.result = m.mapping(manifest.tree, tmpl, (), create=False)
+    with paused():
+        m.plan.result = m.mapping(manifest.tree, tmpl, (), create=False)
     return m.plan

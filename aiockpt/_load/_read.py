@@ -20,11 +20,14 @@ import torch
 
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest
+from .._gc import paused
 from .._memory import byte_view
 from .._runs import MAX_GAP, Piece, Run, group, read_run, split
 from .._threads import Aborted, run_sync, run_workers
 from .._tree import dtype_from_name, render
 from ._match import Destination
+
+_ByFile = dict[str, list[Piece]]
 
 
 @dataclass
@@ -95,16 +98,24 @@ async def read_into(
             message names the key and the file.
         StorageError: A data file cannot be read.
     """
-    reads, copies, keep = prepare(manifest, destinations)
     block = manifest.checksum_block
-    by_file: dict[str, list[Piece]] = {}
-    for i, r in enumerate(reads):
-        by_file.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
+
+    def plan_reads() -> tuple[
+        list[_Read], list[Callable[[], None]], list[torch.Tensor], dict[str, list[Piece]]
+    ]:
+        with paused():
+            reads, copies, keep = prepare(manifest, destinations)
+            by_file: dict[str, list[Piece]] = {}
+            for i, r in enumerate(reads):
+                by_file.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
+            for name, pieces in by_file.items():
+                pieces.sort(key=lambda p: p.offset)
+                jobs.extend((name, run) for run in group(pieces))
+        return reads, copies, keep, by_file
+
     fds: dict[str, int] = {}
     jobs: deque[tuple[str, Run]] = deque()
-    for name, pieces in by_file.items():
-        pieces.sort(key=lambda p: p.offset)
-        jobs.extend((name, run) for run in group(pieces))
+    reads, copies, keep, by_file = await run_sync(plan_reads, limiter)
 
     def corrupt(r: _Read, what: str) -> CorruptionError:
         key = render(manifest.tensors[r.tensor].path)

@@ -18,8 +18,9 @@ import anyio
 import msgspec
 
 from .._errors import CheckpointExistsError, StorageError
-from .._format import ENCODER
+from .._format import ENCODER, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, OwnerLock, remove_tree
+from .._gc import paused
 from .._handle import Metadata, SaveMetrics
 from .._memory import StagingPool
 from .._options import IOConfig
@@ -28,7 +29,7 @@ from .._world import World
 from ._finish import build_manifest, commit, encode_manifest
 from ._global_plan import GlobalPlan, RankPlan, global_plan
 from ._local_plan import LocalPlan, local_plan
-from ._stage import stage
+from ._stage import Staged, stage
 from ._write import WriteResult, write
 
 _LOCAL_PLAN = msgspec.msgpack.Decoder(LocalPlan)
@@ -47,6 +48,33 @@ class SaveRequest:
     allow_pickle: bool = False
     user_metadata: dict[str, str | int | float | bool | None] = field(default_factory=dict)
     io: IOConfig = field(default_factory=IOConfig)
+
+
+def _plan_local(rank: int, staged: Staged) -> bytes:
+    with paused():
+        return ENCODER.encode(local_plan(rank, staged.flat))
+
+
+def _plan_global(gathered: list[bytes]) -> tuple[GlobalPlan, list[bytes]]:
+    with paused():
+        plan = global_plan([_LOCAL_PLAN.decode(b) for b in gathered])
+        return plan, [ENCODER.encode(r) for r in plan.ranks]
+
+
+def _manifest(
+    plan: GlobalPlan, results: list[bytes], tree: DictNode, req: SaveRequest
+) -> tuple[Manifest, bytes, int, int]:
+    with paused():
+        manifest = build_manifest(
+            plan,
+            [_WRITE_RESULT.decode(b) for b in results],
+            tree=tree,
+            step=req.step,
+            block=req.io.checksum_block,
+            user_metadata=req.user_metadata,
+        )
+        encoded, crc = encode_manifest(manifest)
+        return manifest, encoded, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
 def _check_target(path: Path) -> None:
@@ -102,16 +130,15 @@ async def run_save(
     try:
         on_staged()
 
-        local = local_plan(world.rank, staged.flat)
+        local = await run_sync(partial(_plan_local, world.rank, staged), limiter)
         metrics.phase("local_plan")
 
-        gathered = await world.gather(ENCODER.encode(local))
+        gathered = await world.gather(local)
         plan: GlobalPlan | None = None
+        payloads: list[bytes] | None = None
         if gathered is not None:
-            plan = global_plan([_LOCAL_PLAN.decode(b) for b in gathered])
-        mine = _RANK_PLAN.decode(
-            await world.scatter(None if plan is None else [ENCODER.encode(r) for r in plan.ranks])
-        )
+            plan, payloads = await run_sync(partial(_plan_global, gathered), limiter)
+        mine = _RANK_PLAN.decode(await world.scatter(payloads))
         metrics.phase("global_plan")
 
         try:
@@ -123,7 +150,7 @@ async def run_save(
         result = await write(
             mine, staged.sources, tmp[0], block=req.io.checksum_block, threads=req.io.threads, limiter=limiter
         )
-        metrics.written_bytes = sum(len(staged.sources[w.item]) for w in mine.writes)
+        metrics.written_bytes = result.nbytes
         metrics.phase("write")
         if staged.buffer is not None:
             pool.release(staged.buffer)
@@ -132,15 +159,9 @@ async def run_save(
         results = await world.gather(ENCODER.encode(result))
         assert plan is not None
         assert results is not None
-        manifest = build_manifest(
-            plan,
-            [_WRITE_RESULT.decode(b) for b in results],
-            tree=staged.flat.tree,
-            step=req.step,
-            block=req.io.checksum_block,
-            user_metadata=req.user_metadata,
+        manifest, encoded, manifest_crc, nbytes = await run_sync(
+            lambda: _manifest(plan, results, staged.flat.tree, req), limiter
         )
-        encoded, manifest_crc = encode_manifest(manifest)
         await commit(tmp[0], req.path, encoded, limiter)
         await run_sync(tmp[1].release, limiter)
         tmp = None
@@ -157,7 +178,7 @@ async def run_save(
         path=str(req.path),
         step=req.step,
         world_size=manifest.world_size,
-        nbytes=sum(c.nbytes for t in manifest.tensors for c in t.chunks),
+        nbytes=nbytes,
         num_tensors=len(manifest.tensors),
         files=manifest.files,
         created_at=manifest.created_at,

@@ -29,7 +29,7 @@ def align(offset: int, nbytes: int) -> int:
     return -(-offset // a) * a
 
 
-class WriteAssignment(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class WriteAssignment(msgspec.Struct, frozen=True, kw_only=True, gc=False, array_like=True):
     """Rank-local item ``item`` goes to ``offset`` of the rank's file; it is chunk ``chunk`` of ``tensor``."""
 
     item: int
@@ -38,7 +38,7 @@ class WriteAssignment(msgspec.Struct, frozen=True, kw_only=True, array_like=True
     chunk: int
 
 
-class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
+class RankPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What one rank writes, in file order."""
 
     rank: int
@@ -47,7 +47,7 @@ class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
     writes: tuple[WriteAssignment, ...]
 
 
-class GlobalPlan(msgspec.Struct, frozen=True, kw_only=True):
+class GlobalPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The coordinator's view: every rank's plan and the manifest tensor table (checksums empty)."""
 
     ranks: tuple[RankPlan, ...]
@@ -66,7 +66,8 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     world = len(plans)
     assert all(p.rank == r for r, p in enumerate(plans)), "local plans must be in rank order"
     tensor_index: dict[KeyPath, int] = {}
-    first: list[tuple[int, WriteItem]] = []  # (rank, item) that introduced each tensor
+    first: list[WriteItem] = []  # the item that introduced each tensor
+    first_rank: list[int] = []
     # (tensor, offsets, sizes) -> candidate (rank, item index) pairs holding that chunk
     holders: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
     for plan in plans:
@@ -74,50 +75,64 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
             t = tensor_index.get(item.path)
             if t is None:
                 t = tensor_index[item.path] = len(first)
-                first.append((plan.rank, item))
+                first.append(item)
+                first_rank.append(plan.rank)
             else:
-                r0, it0 = first[t]
-                if (it0.dtype, it0.shape) != (item.dtype, item.shape):
+                it0 = first[t]
+                if it0.dtype != item.dtype or it0.shape != item.shape:
                     raise StateError(
-                        f"ranks {r0} and {plan.rank} disagree on tensor {render(item.path)!r}: "
+                        f"ranks {first_rank[t]} and {plan.rank} disagree on tensor {render(item.path)!r}: "
                         f"{it0.dtype}{list(it0.shape)} vs {item.dtype}{list(item.shape)}",
                         key=render(item.path),
                     )
-            key = (t, item.offsets, item.sizes)
-            holders.setdefault(key, []).append((plan.rank, j))
+            box = (t, item.offsets, item.sizes)
+            cands = holders.get(box)
+            if cands is None:
+                holders[box] = [(plan.rank, j)]
+            else:
+                cands.append((plan.rank, j))
 
-    # Largest chunks first, each to its least-loaded holder: a greedy balance of written bytes.
+    # A chunk with one holder is written by it. The others go, largest first, each to its least-loaded
+    # holder: a greedy balance of written bytes.
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (item, tensor)
     load = [0] * world
-    chosen: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = []  # rank, item, tensor, box
-    for (t, offs, sizes), cands in sorted(
-        holders.items(), key=lambda kv: -plans[kv[1][0][0]].items[kv[1][0][1]].nbytes
-    ):
+    shared = []
+    for (t, _, _), cands in holders.items():
+        if len(cands) == 1:
+            rank, j = cands[0]
+            per_rank[rank].append((j, t))
+            load[rank] += plans[rank].items[j].nbytes
+        else:
+            shared.append((plans[cands[0][0]].items[cands[0][1]].nbytes, t, cands))
+    shared.sort(key=lambda s: -s[0])
+    for nbytes, t, cands in shared:
         rank, j = min(cands, key=lambda c: (load[c[0]], c[0]))
-        load[rank] += plans[rank].items[j].nbytes
-        chosen.append((rank, j, t, offs, sizes))
+        load[rank] += nbytes
+        per_rank[rank].append((j, t))
 
-    per_rank: list[list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]] = [[] for _ in range(world)]
-    for rank, j, t, offs, sizes in chosen:
-        per_rank[rank].append((j, t, offs, sizes))
     chunks: list[list[Chunk]] = [[] for _ in first]
     rank_plans = []
-    for rank, items in enumerate(per_rank):
-        items.sort()  # file order follows the rank's item order: sequential reads of a whole state
+    for rank, assigned in enumerate(per_rank):
+        assigned.sort()  # file order follows the rank's item order: sequential reads of a whole state
         file = data_file_name(rank)
+        items = plans[rank].items
         pos = 0
         writes = []
-        for j, t, offs, sizes in items:
-            nbytes = plans[rank].items[j].nbytes
+        for j, t in assigned:
+            item = items[j]
+            nbytes = item.nbytes
             pos = align(pos, nbytes)
             writes.append(WriteAssignment(item=j, offset=pos, tensor=t, chunk=len(chunks[t])))
             chunks[t].append(
-                Chunk(offsets=offs, sizes=sizes, file=file, offset=pos, nbytes=nbytes, checksums=())
+                Chunk(
+                    offsets=item.offsets, sizes=item.sizes, file=file, offset=pos, nbytes=nbytes, checksums=()
+                )
             )
             pos += nbytes
         rank_plans.append(RankPlan(rank=rank, file=file, nbytes=pos, writes=tuple(writes)))
 
     tensors = tuple(
         TensorEntry(path=item.path, dtype=item.dtype, shape=item.shape, chunks=tuple(chunks[t]))
-        for t, (_, item) in enumerate(first)
+        for t, item in enumerate(first)
     )
     return GlobalPlan(ranks=tuple(rank_plans), tensors=tensors)

@@ -9,7 +9,7 @@ from .._memory import nbytes_of
 from .._tree import Flattened, dtype_name
 
 
-class WriteItem(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+class WriteItem(msgspec.Struct, frozen=True, kw_only=True, gc=False, array_like=True):
     """One chunk of one tensor held by this rank.
 
     ``offsets``/``sizes`` place the chunk in the global tensor of shape ``shape``. ``replicated`` chunks may
@@ -25,7 +25,7 @@ class WriteItem(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     replicated: bool
 
 
-class LocalPlan(msgspec.Struct, frozen=True, kw_only=True):
+class LocalPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Every chunk this rank holds, in the order of its tensors (``items[i]`` is tensor ``i``)."""
 
     rank: int
@@ -34,15 +34,17 @@ class LocalPlan(msgspec.Struct, frozen=True, kw_only=True):
 
 def local_plan(rank: int, flat: Flattened) -> LocalPlan:
     """Plan the writes of ``rank`` for a flattened state: one whole-tensor, replicated chunk per tensor."""
+    zeros = [(0,) * n for n in range(8)]
     items = []
     for path, t in zip(flat.paths, flat.tensors, strict=True):
         shape = tuple(t.shape)
+        nd = len(shape)
         items.append(
             WriteItem(
                 path=path,
                 dtype=dtype_name(t.dtype),
                 shape=shape,
-                offsets=(0,) * len(shape),
+                offsets=zeros[nd] if nd < 8 else (0,) * nd,
                 sizes=shape,
                 nbytes=nbytes_of(t),
                 replicated=True,

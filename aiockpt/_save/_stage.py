@@ -14,12 +14,16 @@ from dataclasses import dataclass
 import anyio
 import torch
 
+from .._gc import paused
 from .._memory import StagingPool, byte_view, nbytes_of
 from .._threads import run_sync
 from .._tree import Flattened, flatten
 
-# Staged tensors start at multiples of this, so every dtype view of the buffer is aligned.
+# Large staged tensors start at multiples of this, so every dtype view of the buffer is aligned.
 _ALIGN = 64
+# Tensors below this size are staged together by one concatenation instead of one copy each.
+_SMALL = 64 * 1024
+_EMPTY = memoryview(b"")
 
 
 @dataclass
@@ -46,33 +50,59 @@ def _zero_copy(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t.reshape(-1).view(torch.uint8)
+
+
 def stage_sync(state: Mapping[str, object], *, copy: bool, pool: StagingPool, allow_pickle: bool) -> Staged:
     """Blocking body of :func:`stage`, for a worker thread."""
-    flat = flatten(state, allow_pickle=allow_pickle)
-    sources: list[memoryview] = [memoryview(b"")] * len(flat.tensors)
-    offsets: dict[int, int] = {}
-    total = 0
+    with paused():
+        flat = flatten(state, allow_pickle=allow_pickle)
+    tensors = flat.tensors
+    sources: list[memoryview] = [_EMPTY] * len(tensors)
+    small: list[int] = []
+    large: list[int] = []
     nbytes = 0
-    for i, t in enumerate(flat.tensors):
+    for i, t in enumerate(tensors):
         n = nbytes_of(t)
         nbytes += n
         if n == 0:
             continue
         if not copy and _zero_copy(t):
             sources[i] = byte_view(t)
-            continue
-        offsets[i] = total
-        total += -(-n // _ALIGN) * _ALIGN
-    if not offsets:
+        elif n < _SMALL and t.device.type == "cpu":
+            small.append(i)
+        else:
+            large.append(i)
+    if not small and not large:
         return Staged(flat=flat, sources=sources, buffer=None, nbytes=nbytes, copied=0)
 
-    from_gpu = any(flat.tensors[i].device.type == "cuda" for i in offsets)
-    buffer = pool.acquire(total, pinned=from_gpu)
+    # Layout: small tensors packed back to back (one concatenation copies them all), then large ones
+    # at aligned offsets (one copy each, which torch parallelises).
+    offsets: dict[int, int] = {}
+    pos = 0
+    for i in small:
+        offsets[i] = pos
+        pos += nbytes_of(tensors[i])
+    packed = pos
+    for i in large:
+        pos = -(-pos // _ALIGN) * _ALIGN
+        offsets[i] = pos
+        pos += nbytes_of(tensors[i])
+    from_gpu = any(tensors[i].device.type == "cuda" for i in large)
+    buffer = pool.acquire(pos, pinned=from_gpu)
     try:
-        for i, off in offsets.items():
-            t = flat.tensors[i]
-            n = nbytes_of(t)
-            dst = buffer[off : off + n].view(t.dtype).view(t.shape)
+        if small:
+            with paused():
+                parts = [_as_bytes(tensors[i]) for i in small]
+            torch.cat(parts, out=buffer[:packed])
+            del parts
+        for i in large:
+            t = tensors[i]
+            off = offsets[i]
+            dst = buffer[off : off + nbytes_of(t)].view(t.dtype).view(t.shape)
             dst.copy_(t, non_blocking=t.device.type == "cuda")
         if from_gpu:
             torch.cuda.synchronize()
@@ -82,7 +112,7 @@ def stage_sync(state: Mapping[str, object], *, copy: bool, pool: StagingPool, al
     whole = byte_view(buffer)
     copied = 0
     for i, off in offsets.items():
-        n = nbytes_of(flat.tensors[i])
+        n = nbytes_of(tensors[i])
         sources[i] = whole[off : off + n]
         copied += n
     return Staged(flat=flat, sources=sources, buffer=buffer, nbytes=nbytes, copied=copied)

@@ -23,7 +23,7 @@ from .._threads import Aborted, run_sync, run_workers
 from ._global_plan import RankPlan
 
 
-class WriteResult(msgspec.Struct, frozen=True, kw_only=True):
+class WriteResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What a rank reports after writing: per write of its plan, the CRC32C of each block."""
 
     rank: int
