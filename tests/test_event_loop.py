@@ -1,0 +1,58 @@
+"""No blocking call runs on the event loop thread during save, load or read.
+
+Every file-system and copy primitive the pipeline uses is wrapped so that a call from aiockpt code on the
+thread running the event loop fails the test; the pipeline must reach them only through worker threads.
+(Calls from elsewhere, e.g. the import system loading a module lazily, are not aiockpt's.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import aiockpt
+
+BLOCKING = ["open", "close", "fsync", "pwritev", "preadv", "rename", "replace", "mkdir", "unlink",
+            "scandir", "listdir", "posix_fallocate", "fstat", "stat", "write", "read"]  # fmt: skip
+
+
+@pytest.fixture
+def guard(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    loop_thread = threading.get_ident()
+    offenders: list[str] = []
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if threading.get_ident() == loop_thread and caller.startswith("aiockpt"):
+                offenders.append(f"{name} from {caller}")
+            return fn(*args, **kwargs)
+
+        return guarded
+
+    for name in BLOCKING:
+        monkeypatch.setattr(os, name, wrap(name, getattr(os, name)))
+    monkeypatch.setattr(torch.Tensor, "copy_", wrap("Tensor.copy_", torch.Tensor.copy_))
+    yield offenders
+
+
+async def test_no_blocking_call_on_the_event_loop(tmp_path: Path, guard: list[str]) -> None:
+    model = torch.nn.Linear(64, 64)
+    state = {"model": model, "x": torch.randn(1000).t(), "nc": torch.randn(8, 8).t(), "n": 1}
+    await aiockpt.save(state, tmp_path / "a")
+    handle = await aiockpt.save(state, tmp_path / "b", async_op=True)
+    await handle
+    await aiockpt.load(state, tmp_path / "a")
+    await aiockpt.read(tmp_path / "b")
+    async with aiockpt.Checkpointer(tmp_path / "root", keep_last=1) as ckpt:
+        for step in range(3):
+            await ckpt.save(state, step=step)
+        await ckpt.load(state)
+    assert guard == []

@@ -1,0 +1,118 @@
+"""The on-disk format contract: golden checkpoints, the envelope, raw aligned data, no pickle."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+import aiockpt
+from aiockpt._format import (
+    ENCODER,
+    ENVELOPE_DECODER,
+    FORMAT_VERSION,
+    MANIFEST_DECODER,
+    MANIFEST_NAME,
+    Envelope,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+sys.path.insert(0, str(GOLDEN))
+from golden_state import golden_state  # noqa: E402
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bytes(a.reshape(-1).view(torch.uint8).tolist()) == bytes(b.reshape(-1).view(torch.uint8).tolist())
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("version", sorted(int(p.name[1:]) for p in GOLDEN.glob("v*")))
+async def test_golden_checkpoints_still_load(version: int) -> None:
+    tree = await aiockpt.read(GOLDEN / f"v{version}")
+    assert _same(tree, golden_state())
+    assert tree["tied"] is tree["model"]["weight"]  # type: ignore[index]
+
+
+def test_golden_of_the_current_version_exists() -> None:
+    assert (GOLDEN / f"v{FORMAT_VERSION}" / MANIFEST_NAME).is_file(), "run tests/golden/make_golden.py"
+
+
+def _rewrite_envelope(path: Path, **changes: object) -> None:
+    file = path / MANIFEST_NAME
+    env = ENVELOPE_DECODER.decode(file.read_bytes())
+    file.write_bytes(ENCODER.encode(msgspec.structs.replace(env, **changes)))
+
+
+async def _saved(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    await aiockpt.save({"w": torch.arange(10.0)}, path)
+    return path
+
+
+async def test_newer_format_version_is_refused_by_name(tmp_path: Path) -> None:
+    path = await _saved(tmp_path)
+    _rewrite_envelope(path, format_version=FORMAT_VERSION + 1)
+    with pytest.raises(aiockpt.FormatError, match="upgrade aiockpt") as info:
+        await aiockpt.read(path)
+    assert info.value.file == str(path / MANIFEST_NAME)
+
+
+async def test_foreign_magic_is_refused(tmp_path: Path) -> None:
+    path = await _saved(tmp_path)
+    _rewrite_envelope(path, magic="other")
+    with pytest.raises(aiockpt.FormatError, match="not an aiockpt manifest"):
+        await aiockpt.read(path)
+
+
+async def test_manifest_body_damage_is_detected(tmp_path: Path) -> None:
+    path = await _saved(tmp_path)
+    env = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes())
+    body = bytearray(env.body)
+    body[len(body) // 2] ^= 0x01
+    _rewrite_envelope(path, body=bytes(body))
+    with pytest.raises(aiockpt.CorruptionError, match="checksum") as info:
+        await aiockpt.read(path)
+    assert info.value.file == str(path / MANIFEST_NAME)
+
+
+async def test_data_is_raw_little_endian_at_aligned_offsets(tmp_path: Path) -> None:
+    big = torch.arange(64 * 1024, dtype=torch.int32)  # 256 KiB: page aligned
+    small = torch.tensor([1.5, -2.0], dtype=torch.float64)  # packed at 64-byte alignment
+    path = tmp_path / "ckpt"
+    await aiockpt.save({"small": small, "big": big, "small2": small + 1}, path)
+    env: Envelope = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes())
+    manifest = MANIFEST_DECODER.decode(env.body)
+    assert manifest.format_version == FORMAT_VERSION
+    data = {f.name: (path / f.name).read_bytes() for f in manifest.files}
+    expected = {"small": small, "big": big, "small2": small + 1}
+    for entry in manifest.tensors:
+        (chunk,) = entry.chunks
+        raw = data[chunk.file][chunk.offset : chunk.offset + chunk.nbytes]
+        tensor = expected[str(entry.path[0])]
+        assert raw == bytes(tensor.view(torch.uint8).tolist())
+        assert chunk.offset % (4096 if chunk.nbytes >= 64 * 1024 else 64) == 0
+    assert b"\x80\x04" not in (path / MANIFEST_NAME).read_bytes()  # no pickle protocol header
+
+
+async def test_user_metadata_and_origin_are_recorded(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    model = torch.nn.Linear(2, 2)
+    await aiockpt.save({"model": model}, path, metadata={"run": "abc", "epoch": 3})
+    manifest = MANIFEST_DECODER.decode(ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes()).body)
+    assert manifest.user_metadata == {"run": "abc", "epoch": 3}
+    (node,) = manifest.tree.values
+    assert isinstance(node, aiockpt._format.DictNode)
+    assert node.origin == "torch.nn.modules.linear.Linear"
