@@ -103,6 +103,7 @@ class Checkpointer:
         self._inflight: dict[int, SaveHandle] = {}
         self._loading: dict[int, int] = {}
         self._slots: anyio.Semaphore | None = None
+        self._commit_lock: anyio.Lock | None = None
         self._opened = False
         self._closed = False
 
@@ -132,6 +133,7 @@ class Checkpointer:
 
         self._steps = await run_sync(prepare)
         self._slots = anyio.Semaphore(self.max_inflight)
+        self._commit_lock = anyio.Lock()
         self._opened = True
 
     async def refresh(self) -> list[int]:
@@ -248,7 +250,15 @@ class Checkpointer:
         return await handle
 
     async def _after_commit(self, step: int) -> None:
-        steps = sorted({*self._steps, step})
+        self._steps = sorted({*self._steps, step})
+        # Saves may commit concurrently (max_inflight > 1): one at a time updates `latest` and prunes,
+        # each from the index as it is when its turn comes.
+        assert self._commit_lock is not None
+        async with self._commit_lock:
+            await self._publish_and_prune()
+
+    async def _publish_and_prune(self) -> None:
+        steps = list(self._steps)
         doomed = self._doomed(steps)
 
         def publish() -> None:
@@ -264,7 +274,7 @@ class Checkpointer:
                 fsync_dir(self.root)
 
         await run_sync(publish)
-        self._steps = [s for s in steps if s not in doomed]
+        self._steps = [s for s in self._steps if s not in doomed]
 
     def _doomed(self, steps: list[int]) -> list[int]:
         if self.keep_last is None or len(steps) <= self.keep_last:

@@ -179,11 +179,15 @@ def collect_garbage(root: Path, *, stale_after: float = 60.0) -> list[Path]:
             age = now - entry.lstat().st_mtime
         except FileNotFoundError:
             continue
+        lock = entry.with_name(entry.name + LOCK_SUFFIX)
         if is_dir:
-            if _owner_alive(entry.with_name(entry.name + LOCK_SUFFIX)):
+            if _owner_alive(lock):
                 continue
         elif age < stale_after or _owner_alive(entry):
             continue
         remove_tree(entry)
         removed.append(entry)
+        if is_dir:  # its lock was just found free: it goes with the directory
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
     return removed

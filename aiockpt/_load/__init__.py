@@ -70,9 +70,8 @@ async def run_load(
             stacklevel=3,
         )
     await _fill(path, manifest, plan, io, limiter)
-    for k, v in plan.result.items():
-        # Statefuls and in-place tensors come back as the very objects the target holds.
-        state[str(k)] = v
+    for container, key, value in plan.assign:
+        container[key] = value
     return manifest
 
 

@@ -37,10 +37,12 @@ def read_manifest(path: Path) -> Manifest:
         raise FormatError(f"cannot read {file}: {exc.strerror or exc}", file=str(file)) from exc
     try:
         env = ENVELOPE_DECODER.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, ValueError) as exc:  # invalid UTF-8 surfaces as UnicodeDecodeError
         raise CorruptionError(f"{file} is damaged or not an aiockpt manifest: {exc}", file=str(file)) from exc
     if env.magic != MAGIC:
         raise FormatError(f"{file} is not an aiockpt manifest (magic {env.magic!r})", file=str(file))
+    if env.format_version < 1:
+        raise FormatError(f"{file} has an invalid format version {env.format_version}", file=str(file))
     if env.format_version > FORMAT_VERSION:
         raise FormatError(
             f"{file} has format version {env.format_version}; this aiockpt reads up to {FORMAT_VERSION}: "
@@ -51,9 +53,16 @@ def read_manifest(path: Path) -> Manifest:
         raise CorruptionError(f"{file} is damaged: its checksum does not match", file=str(file))
     try:
         with paused():
-            return MANIFEST_DECODER.decode(env.body)
-    except msgspec.DecodeError as exc:
+            manifest = MANIFEST_DECODER.decode(env.body)
+    except (msgspec.DecodeError, ValueError) as exc:  # invalid UTF-8 surfaces as UnicodeDecodeError
         raise FormatError(f"{file} cannot be decoded: {exc}", file=str(file)) from exc
+    if manifest.format_version != env.format_version:
+        raise CorruptionError(
+            f"{file} is damaged: envelope says format version {env.format_version}, "
+            f"the manifest {manifest.format_version}",
+            file=str(file),
+        )
+    return manifest
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -64,10 +64,12 @@ class LoadPlan:
         result: The rebuilt tree (a dict), tensor leaves being destinations.
         destinations: One per manifest tensor that is loaded.
         statefuls: ``(object, state dict, key path)`` to call ``load_state_dict`` on, innermost first.
+        assign: ``(container, key, value)`` to set in the target's own containers, innermost first.
         differences: Every mismatch found.
     """
 
     result: dict[Key, object]
+    assign: list[tuple[Any, Key, object]] = field(default_factory=list)
     destinations: dict[int, Destination] = field(default_factory=dict)
     statefuls: list[tuple[object, dict[Key, object], KeyPath]] = field(default_factory=list)
     differences: list[str] = field(default_factory=list)
@@ -88,6 +90,9 @@ class _Matcher:
         self.m = manifest
         self.allow_pickle = allow_pickle
         self.plan = LoadPlan(result={})
+        # Containers of the user's own state are updated in place (others may hold references to them);
+        # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
+        self.inside_stateful = 0
 
     def diff(self, line: str) -> None:
         self.plan.differences.append(line)
@@ -122,7 +127,11 @@ class _Matcher:
         template = obj.state_dict()  # type: ignore[attr-defined]
         # A module's state dict lists every entry it has; other Statefuls may grow entries lazily.
         complete = isinstance(obj, torch.nn.Module)
-        sd = self.mapping(node, template, path, create=not complete)
+        self.inside_stateful += 1
+        try:
+            sd = self.mapping(node, template, path, create=not complete)
+        finally:
+            self.inside_stateful -= 1
         if isinstance(obj, torch.nn.Module):
             # Tensors read in place already are the module's own memory: hand over only the rest.
             sd = {k: v for k, v in sd.items() if not (isinstance(v, torch.Tensor) and v is template.get(k))}
@@ -148,6 +157,10 @@ class _Matcher:
                 if name not in present:
                     missing = (*path, cast("Key", name))
                     self.diff(f"{render(missing)}: missing key (in the target, not in the checkpoint)")
+        if isinstance(tmpl, MutableMapping) and not self.inside_stateful:
+            self.plan.assign.extend((tmpl, k, v) for k, v in out.items())
+            self.plan.result = out
+            return cast("dict[Key, object]", tmpl)
         return out
 
     def sequence(self, node: ListNode | TupleNode, tmpl: object, path: KeyPath, *, create: bool) -> object:
@@ -162,6 +175,9 @@ class _Matcher:
                 return tmpl
             pairs = enumerate(zip(node.items, tmpl, strict=True))
             items = [self.build(c, t, (*path, i), create=create) for i, (c, t) in pairs]
+            if type(tmpl) is list and kind is list and not self.inside_stateful:
+                self.plan.assign.extend((tmpl, i, v) for i, v in enumerate(items))
+                return tmpl
         else:
             self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a {kind.__name__}")
             return tmpl
@@ -225,5 +241,7 @@ def match(manifest: Manifest, state: MutableMapping[str, object] | None, *, allo
     m = _Matcher(manifest, allow_pickle)
     tmpl = MISSING if state is None else cast("Mapping[object, object]", state)
     with paused():
-        m.plan.result = m.mapping(manifest.tree, tmpl, (), create=False)
+        result = m.mapping(manifest.tree, tmpl, (), create=False)
+    if state is None:
+        m.plan.result = result
     return m.plan

@@ -53,7 +53,7 @@ def _zero_copy(t: torch.Tensor) -> bool:
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
-    return t.reshape(-1).view(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def stage_sync(state: Mapping[str, object], *, copy: bool, pool: StagingPool, allow_pickle: bool) -> Staged:

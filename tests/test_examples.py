@@ -1,0 +1,79 @@
+"""The examples run as users run them: a real interpreter, a real SIGKILL, a real resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MATCHES = "resumed run matches uninterrupted run: True"
+
+
+def run_example(name: str, *args: str) -> str:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / name), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}:\n{output}"
+    return output
+
+
+def resumed_step(output: str) -> int:
+    found = re.search(r"resumed from step (\d+)", output)
+    assert found, output
+    return int(found.group(1))
+
+
+def test_train_resume(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    out = run_example("train_resume.py", "--root", str(root), "--steps", "90", "--save-every", "10")
+
+    assert MATCHES in out
+    assert "SIGKILL sent to the training process" in out
+    assert "save started: staged in" in out
+    assert "checkpoint 10 committed" in out
+    # Killed after step 60 (2/3 of 90): the save of step 50 had committed before 60's began, and a
+    # committed step is never lost; anything newer is the later save racing the kill.
+    step = resumed_step(out)
+    assert step % 10 == 0
+    assert 50 <= step < 90, out
+    # The resumed run kept writing checkpoints; keep_last=3 pruned the rest and nothing is left half-done.
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [
+        "latest",
+        "step-00000070",
+        "step-00000080",
+        "step-00000090",
+    ]
+    assert (root / "latest").read_text().strip() == "step-00000090"
+
+
+def test_train_resume_removes_its_temporary_root() -> None:
+    out = run_example("train_resume.py", "--steps", "30", "--save-every", "5")
+    assert MATCHES in out
+    found = re.search(r" in (\S+aiockpt-demo-\S+)", out)
+    assert found, out
+    assert not Path(found.group(1)).exists()
+
+
+def test_sync_loop(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    out = run_example("sync_loop.py", "--root", str(root), "--crash-at", "70")
+
+    assert MATCHES in out
+    assert "interrupted after step 70" in out
+    # The save of step 60 was in flight at the interruption; leaving the with block finished it.
+    assert resumed_step(out) == 60
+    assert (root / "latest").read_text().strip() == "step-00000100"
