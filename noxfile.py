@@ -15,9 +15,9 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 
 
-def _install(session: nox.Session, extras: str) -> None:
+def _install(session: nox.Session, extras: str = "") -> None:
     session.install(TORCH)
-    session.install("-e", f".[{extras}]")
+    session.install("-e", f".[{extras}]" if extras else ".")
 
 
 @nox.session
@@ -52,7 +52,7 @@ def typecheck(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main demo: an async training loop that checkpoints, is interrupted and resumes."""
-    _install(session, "test")
+    _install(session)
     session.run("python", "examples/train_resume.py", *session.posargs)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ BLOCKING = ["open", "close", "fsync", "pwritev", "preadv", "rename", "replace", 
 
 
 @pytest.fixture
-def guard(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+def guard(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     loop_thread = threading.get_ident()
     offenders: list[str] = []
 
@@ -40,7 +40,7 @@ def guard(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     for name in BLOCKING:
         monkeypatch.setattr(os, name, wrap(name, getattr(os, name)))
     monkeypatch.setattr(torch.Tensor, "copy_", wrap("Tensor.copy_", torch.Tensor.copy_))
-    yield offenders
+    return offenders
 
 
 async def test_no_blocking_call_on_the_event_loop(tmp_path: Path, guard: list[str]) -> None:

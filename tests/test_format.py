@@ -30,7 +30,7 @@ def _same(a: object, b: object) -> bool:
             isinstance(b, torch.Tensor)
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and bytes(a.reshape(-1).view(torch.uint8).tolist()) == bytes(b.reshape(-1).view(torch.uint8).tolist())
+            and a.reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist()
         )
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)

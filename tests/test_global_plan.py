@@ -9,7 +9,9 @@ from aiockpt._save._global_plan import LARGE, PAGE, SMALL_ALIGN, global_plan
 from aiockpt._save._local_plan import LocalPlan, WriteItem
 
 
-def item(name: str, nbytes: int, *, replicated: bool = True, offsets: int = 0, size: int | None = None) -> WriteItem:
+def item(
+    name: str, nbytes: int, *, replicated: bool = True, offsets: int = 0, size: int | None = None
+) -> WriteItem:
     n = size if size is not None else nbytes
     return WriteItem(
         path=(name,),
@@ -50,7 +52,8 @@ def test_replicated_chunks_are_written_once_and_balanced() -> None:
 
 
 def test_sharded_chunks_stay_with_their_owner() -> None:
-    plans = [LocalPlan(rank=r, items=(item("w", 8, replicated=False, offsets=8 * r, size=8),)) for r in range(4)]
+    shard = [item("w", 8, replicated=False, offsets=8 * r, size=8) for r in range(4)]
+    plans = [LocalPlan(rank=r, items=(shard[r],)) for r in range(4)]
     plan = global_plan(plans)
     for r, rank_plan in enumerate(plan.ranks):
         assert len(rank_plan.writes) == 1

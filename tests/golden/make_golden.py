@@ -15,7 +15,7 @@ from pathlib import Path
 import aiockpt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from golden_state import golden_state  # noqa: E402
+from golden_state import golden_state
 
 
 async def main() -> None:
