@@ -1,0 +1,291 @@
+"""Shared fixtures and helpers: bit-exact tree comparison, tensors of every dtype, models, file views."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+import aiockpt
+
+# Every dtype with a byte layout that a checkpoint must carry bit-exactly; missing ones are skipped.
+DTYPE_NAMES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+)
+
+
+def dtype_params() -> list[object]:
+    """``pytest.param`` per dtype name, skipped where this torch lacks the dtype."""
+    return [
+        pytest.param(
+            name,
+            id=name,
+            marks=[] if isinstance(getattr(torch, name, None), torch.dtype) else [pytest.mark.skip(name)],
+        )
+        for name in DTYPE_NAMES
+    ]
+
+
+def get_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+# --- Tensors --------------------------------------------------------------------------------------------
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A tensor of random *bit patterns* (NaNs with payloads, infs, denormals included)."""
+    numel = math.prod(shape)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8).bool()
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def zero_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """All-zero bytes, for any dtype (``torch.zeros`` lacks kernels for some float8/float4 dtypes)."""
+    numel = math.prod(shape)
+    return torch.zeros(numel * dtype.itemsize, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def layouts(make: Callable[[tuple[int, ...]], torch.Tensor]) -> dict[str, object]:
+    """Tensors of every shape and memory layout that matters, each on its own storage."""
+    return {
+        "full": make((5, 7)),
+        "scalar": make(()),
+        "empty": make((0,)),
+        "empty2d": make((3, 0)),
+        "transposed": make((7, 5)).t(),
+        "strided": make((6, 9))[::2, 1::3],
+        "rows": make((6, 7))[2:4],
+        "column": make((4, 6))[:, 1],
+        "nested": {"deep": [make((2, 3)).t(), (make((3,)),)]},
+    }
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The element bytes of ``t`` in logical (row-major) order, as a flat uint8 tensor."""
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return t.view(torch.uint8)
+
+
+def tensors_in(obj: object) -> Iterator[torch.Tensor]:
+    """Every tensor of a nested structure (Statefuls through their ``state_dict()``)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+    elif isinstance(obj, aiockpt.Stateful):
+        yield from tensors_in(obj.state_dict())
+
+
+def snapshot(obj: object) -> object:
+    """A deep copy of a state, Statefuls replaced by copies of their state dicts."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot(v) for v in obj)
+    if isinstance(obj, aiockpt.Stateful):
+        return snapshot(obj.state_dict())
+    return obj
+
+
+def _tn(obj: object) -> str:
+    return type(obj).__name__
+
+
+def assert_tree_equal(actual: object, expected: object, path: str = "") -> None:
+    """Assert that two nested structures are equal bit for bit.
+
+    Tensors: same dtype, shape and element bytes (so NaN payloads count). Mappings: same keys in the same
+    order (any Mapping type). Lists and tuples: same type. Floats: NaN equals NaN, and the sign of zero
+    counts. Other values: same type and ``==``. A Stateful on the ``expected`` side stands for its
+    ``state_dict()``.
+    """
+    where = path or "<root>"
+    if not isinstance(expected, torch.Tensor) and isinstance(expected, aiockpt.Stateful):
+        expected = expected.state_dict()
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: expected a tensor, got {type(actual).__name__}"
+        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
+        shapes = f"{tuple(actual.shape)} != {tuple(expected.shape)}"
+        assert actual.shape == expected.shape, f"{where}: shape {shapes}"
+        assert torch.equal(raw_bytes(actual), raw_bytes(expected)), f"{where}: tensor bytes differ"
+    elif isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping), f"{where}: expected a mapping, got {type(actual).__name__}"
+        assert list(actual.keys()) == list(expected.keys()), (
+            f"{where}: keys {list(actual.keys())!r} != {list(expected.keys())!r}"
+        )
+        for k in expected:
+            assert [type(a) for a in actual if a == k] == [type(k)], f"{where}: key {k!r} changed type"
+            assert_tree_equal(actual[k], expected[k], f"{path}/{k}" if path else str(k))
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected), f"{where}: {_tn(actual)} != {_tn(expected)}"
+        assert isinstance(actual, (list, tuple))
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_tree_equal(a, e, f"{path}/{i}" if path else str(i))
+    elif isinstance(expected, float):
+        assert type(actual) is float, f"{where}: expected a float, got {type(actual).__name__}"
+        if math.isnan(expected):
+            assert math.isnan(actual), f"{where}: {actual!r} != nan"
+        else:
+            assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+            assert math.copysign(1.0, actual) == math.copysign(1.0, expected), f"{where}: sign of zero"
+    else:
+        assert type(actual) is type(expected), f"{where}: {_tn(actual)} != {_tn(expected)}"
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def at(tree: object, *keys: str | int) -> object:
+    """``tree[k0][k1]...`` for a nested structure typed as ``object``."""
+    for k in keys:
+        if isinstance(tree, Mapping):
+            tree = tree[k]
+        else:
+            assert isinstance(tree, (list, tuple)), f"cannot index {type(tree).__name__} with {k!r}"
+            assert isinstance(k, int)
+            tree = tree[k]
+    return tree
+
+
+def tensor_at(tree: object, *keys: str | int) -> torch.Tensor:
+    """Like :func:`at`, asserting that the leaf is a tensor."""
+    t = at(tree, *keys)
+    assert isinstance(t, torch.Tensor), f"{keys}: expected a tensor, got {type(t).__name__}"
+    return t
+
+
+# --- Models ---------------------------------------------------------------------------------------------
+
+
+def make_model(seed: int) -> torch.nn.Sequential:
+    """A small model with parameters and buffers (LayerNorm, BatchNorm running stats and counter)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8),
+        torch.nn.LayerNorm(8),
+        torch.nn.BatchNorm1d(8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 2),
+    )
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def make_scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.StepLR:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)
+
+
+def train_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler | None,
+    i: int,
+) -> None:
+    x, y = batch(i)
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    torch.autograd.backward(loss)
+    opt.step()
+    if sched is not None:
+        sched.step()
+
+
+# --- File system ----------------------------------------------------------------------------------------
+
+
+def dir_tree(root: Path) -> set[str]:
+    """Every file and directory under ``root``, as paths relative to it."""
+    out: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in (*dirnames, *filenames):
+            out.add(os.path.relpath(os.path.join(dirpath, name), root))
+    return out
+
+
+def listdir(directory: Path) -> list[str]:
+    """Sorted entry names of ``directory``."""
+    return sorted(os.listdir(directory))
+
+
+def exists(path: Path) -> bool:
+    return os.path.lexists(path)
+
+
+def file_size(path: Path) -> int:
+    return os.path.getsize(path)
+
+
+def read_text(path: Path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def tmp_entries(directory: Path) -> list[str]:
+    """Names of in-progress/temporary entries (``.tmp*``) in ``directory``."""
+    return sorted(e.name for e in directory.iterdir() if e.name.startswith(".tmp"))
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Invert every bit of the byte at ``offset`` of file ``path``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        assert len(b) == 1, f"{path} has no byte at {offset}"
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def ckpt_path(tmp_path: Path) -> Path:
+    """A checkpoint directory path that does not exist yet."""
+    return tmp_path / "ckpt"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A Checkpointer root that does not exist yet."""
+    return tmp_path / "run"

@@ -1,0 +1,330 @@
+"""Checkpointer: numbered steps, retention, `latest`, resume, garbage collection, in-flight limits."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    assert_tree_equal,
+    at,
+    dir_tree,
+    exists,
+    listdir,
+    make_model,
+    make_optimizer,
+    read_text,
+    snapshot,
+    tensor_at,
+    tmp_entries,
+    train_step,
+)
+
+import aiockpt
+from aiockpt import (
+    BusyError,
+    Checkpointer,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    SaveState,
+    StateError,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def make_dir(path: Path) -> None:
+    os.makedirs(path)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def state_for(step: int) -> dict[str, object]:
+    return {"w": torch.full((64,), float(step)), "step": step}
+
+
+def big_state(step: int) -> dict[str, object]:
+    """Big enough (4 MiB) that its save is still in flight right after it is staged."""
+    return {"w": torch.full((1 << 20,), float(step))}
+
+
+async def test_keep_last_retention_and_latest(root: Path) -> None:
+    async with Checkpointer(root, keep_last=2) as ckpt:
+        for step in range(1, 6):
+            meta = await ckpt.save(state_for(step), step=step)
+            assert meta.step == step
+            assert meta.path == str(root / step_dir(step))
+            assert read_text(root / "latest").strip() == step_dir(step)
+        assert ckpt.steps() == [4, 5]
+        assert ckpt.latest_step() == 5
+        assert read_text(root / "latest").strip() == step_dir(5)
+    assert [n for n in listdir(root) if not n.startswith(".")] == ["latest", step_dir(4), step_dir(5)]
+    assert tmp_entries(root) == []
+
+
+async def test_load_latest_and_a_given_step(root: Path) -> None:
+    async with Checkpointer(root, keep_last=2) as ckpt:
+        for step in range(1, 6):
+            await ckpt.save(state_for(step), step=step)
+        target: dict[str, object] = {"w": torch.zeros(64), "step": 0}
+        w = target["w"]
+        assert await ckpt.load(target) == 5
+        assert target["w"] is w
+        assert_tree_equal(target, state_for(5))
+        assert await ckpt.load(target, step=4) is not None
+        assert_tree_equal(target, state_for(4))
+        with pytest.raises(CheckpointNotFoundError, match="3"):
+            await ckpt.load(target, step=3)  # removed by retention
+        with pytest.raises(CheckpointNotFoundError):
+            await ckpt.load(target, step=99)
+        assert_tree_equal(target, state_for(4))
+        assert_tree_equal(await ckpt.read(), state_for(5))
+        assert_tree_equal(await ckpt.read(4), state_for(4))
+
+
+async def test_load_given_step_returns_it(root: Path) -> None:
+    async with Checkpointer(root) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+        await ckpt.save(state_for(2), step=2)
+        target: dict[str, object] = {"w": torch.zeros(64), "step": 0}
+        assert await ckpt.load(target, step=1) == 1
+        assert_tree_equal(target, state_for(1))
+
+
+async def test_load_on_an_empty_root_returns_none(root: Path) -> None:
+    target: dict[str, object] = {"w": torch.ones(64), "step": -1}
+    async with Checkpointer(root) as ckpt:
+        assert ckpt.steps() == []
+        assert ckpt.latest_step() is None
+        assert await ckpt.load(target) is None
+    assert torch.equal(tensor_at(target, "w"), torch.ones(64))
+    assert target["step"] == -1
+    assert exists(root)
+
+
+async def test_a_new_checkpointer_sees_committed_steps(root: Path) -> None:
+    async with Checkpointer(root) as ckpt:
+        for step in (10, 20, 30):
+            await ckpt.save(state_for(step), step=step)
+    async with Checkpointer(root) as again:
+        assert again.steps() == [10, 20, 30]
+        assert again.latest_step() == 30
+        target: dict[str, object] = {"w": torch.zeros(64), "step": 0}
+        assert await again.load(target) == 30
+        assert_tree_equal(target, state_for(30))
+        # Steps need not be saved in order, and retention is by step number.
+        await again.save(state_for(25), step=25)
+        assert again.steps() == [10, 20, 25, 30]
+        assert again.latest_step() == 30
+
+
+async def test_keep_every_keeps_milestones(root: Path) -> None:
+    async with Checkpointer(root, keep_last=1, keep_every=3) as ckpt:
+        for step in range(1, 8):
+            await ckpt.save(state_for(step), step=step)
+        assert ckpt.steps() == [3, 6, 7]
+
+
+async def test_leftover_temp_dir_is_collected_on_open(root: Path) -> None:
+    async with Checkpointer(root) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+    leftover = root / ".tmp-step-00000002-deadbeef0000"
+    make_dir(leftover)
+    write_file(leftover / "data-r00000.bin", b"\x00" * 100)
+    make_dir(root / ".tmp-step-00000003-0123456789ab")
+    async with Checkpointer(root) as ckpt:
+        assert not exists(leftover)
+        assert tmp_entries(root) == []
+        assert ckpt.steps() == [1]
+    assert listdir(root) == ["latest", step_dir(1)]
+
+
+async def test_incomplete_step_dirs_are_not_steps(root: Path) -> None:
+    async with Checkpointer(root) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+    make_dir(root / step_dir(2))  # no manifest: never committed
+    write_file(root / step_dir(2) / "data-r00000.bin", b"junk")
+    make_dir(root / "unrelated")
+    async with Checkpointer(root) as ckpt:
+        assert ckpt.steps() == [1]
+        assert ckpt.latest_step() == 1
+        target: dict[str, object] = {"w": torch.zeros(64), "step": 0}
+        assert await ckpt.load(target) == 1
+
+
+async def test_existing_step_is_refused_and_untouched(root: Path) -> None:
+    async with Checkpointer(root) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+        before = dir_tree(root / step_dir(1))
+        with pytest.raises(CheckpointExistsError, match="1"):
+            await ckpt.save(state_for(99), step=1)
+        with pytest.raises(CheckpointExistsError):
+            await ckpt.save(state_for(99), step=1, async_op=True)
+        assert dir_tree(root / step_dir(1)) == before
+        assert ckpt.steps() == [1]
+        assert_tree_equal(await ckpt.read(1), state_for(1))
+    async with Checkpointer(root) as other:  # another instance knows too
+        with pytest.raises(CheckpointExistsError):
+            await other.save(state_for(99), step=1)
+        assert_tree_equal(await other.read(1), state_for(1))
+    assert tmp_entries(root) == []
+
+
+async def test_async_saves(root: Path) -> None:
+    async with Checkpointer(root, keep_last=3) as ckpt:
+        model = make_model(0)
+        opt = make_optimizer(model)
+        for step in range(1, 5):
+            train_step(model, opt, None, step)
+            state: dict[str, object] = {"model": model, "optim": opt, "step": step}
+            expected = snapshot(state)
+            handle = await ckpt.save(state, step=step, async_op=True)
+            assert handle.state is not SaveState.STAGING
+            train_step(model, opt, None, 100 + step)  # mutate while it is written
+            meta = await handle
+            assert handle.state is SaveState.COMMITTED
+            assert handle.done()
+            assert meta.step == step
+            assert_tree_equal(await ckpt.read(step), expected)
+        assert ckpt.steps() == [2, 3, 4]
+        assert ckpt.latest_step() == 4
+        assert read_text(root / "latest").strip() == step_dir(4)
+
+
+async def test_closing_waits_for_saves_in_flight(root: Path) -> None:
+    async with Checkpointer(root) as ckpt:
+        handle = await ckpt.save(big_state(7), step=7, async_op=True)
+    assert handle.done()
+    assert handle.state is SaveState.COMMITTED
+    assert exists(root / step_dir(7) / "manifest.msgpack")
+    assert read_text(root / "latest").strip() == step_dir(7)
+
+
+async def test_on_busy_wait_queues_saves(root: Path) -> None:
+    async with Checkpointer(root, max_inflight=1, on_busy="wait") as ckpt:
+        h1 = await ckpt.save(big_state(1), step=1, async_op=True)
+        h2 = await ckpt.save(big_state(2), step=2, async_op=True)
+        await h1
+        await h2
+        assert ckpt.steps() == [1, 2]
+        assert_tree_equal(await ckpt.read(2), big_state(2))
+
+
+async def test_on_busy_skip(root: Path) -> None:
+    async with Checkpointer(root, max_inflight=1, on_busy="skip") as ckpt:
+        h1 = await ckpt.save(big_state(1), step=1, async_op=True)
+        assert not h1.done()
+        h2 = await ckpt.save(big_state(2), step=2, async_op=True)
+        assert h2.state is SaveState.SKIPPED
+        assert h2.done()
+        with pytest.raises(BusyError):  # SaveSkippedError, a BusyError
+            await h2
+        with pytest.raises(aiockpt.SaveSkippedError):
+            await h2
+        await h1
+        assert h1.state is SaveState.COMMITTED
+        assert ckpt.steps() == [1]
+        assert not exists(root / step_dir(2))
+        # Once the slot is free again, saving works.
+        await ckpt.save(big_state(3), step=3)
+        assert ckpt.steps() == [1, 3]
+
+
+async def test_on_busy_skip_blocking_save_raises(root: Path) -> None:
+    async with Checkpointer(root, max_inflight=1, on_busy="skip") as ckpt:
+        h1 = await ckpt.save(big_state(1), step=1, async_op=True)
+        with pytest.raises(aiockpt.SaveSkippedError):
+            await ckpt.save(big_state(2), step=2)
+        await h1
+        assert ckpt.steps() == [1]
+
+
+async def test_on_busy_error(root: Path) -> None:
+    async with Checkpointer(root, max_inflight=1, on_busy="error") as ckpt:
+        h1 = await ckpt.save(big_state(1), step=1, async_op=True)
+        with pytest.raises(BusyError):
+            await ckpt.save(big_state(2), step=2, async_op=True)
+        with pytest.raises(BusyError):
+            await ckpt.save(big_state(2), step=2)
+        await h1
+        await ckpt.save(big_state(2), step=2)
+        assert ckpt.steps() == [1, 2]
+
+
+async def test_max_inflight_two_allows_two(root: Path) -> None:
+    async with Checkpointer(root, max_inflight=2, on_busy="error") as ckpt:
+        h1 = await ckpt.save(big_state(1), step=1, async_op=True)
+        h2 = await ckpt.save(big_state(2), step=2, async_op=True)
+        with pytest.raises(BusyError):
+            await ckpt.save(big_state(3), step=3, async_op=True)
+        await h1
+        await h2
+        assert listdir(root) == ["latest", step_dir(1), step_dir(2)]
+        assert read_text(root / "latest").strip() == step_dir(2)
+        assert ckpt.steps() == [1, 2]
+        assert ckpt.latest_step() == 2
+
+
+async def test_same_step_in_flight_is_refused(root: Path) -> None:
+    async with Checkpointer(root, max_inflight=2) as ckpt:
+        h1 = await ckpt.save(big_state(1), step=1, async_op=True)
+        with pytest.raises(CheckpointExistsError):
+            await ckpt.save(big_state(1), step=1, async_op=True)
+        await h1
+        assert ckpt.steps() == [1]
+
+
+async def test_failed_save_changes_nothing(root: Path) -> None:
+    async with Checkpointer(root, keep_last=2) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+        latest = read_text(root / "latest")
+        before = dir_tree(root)
+        with pytest.raises(StateError, match="bad/obj"):
+            await ckpt.save({"w": torch.ones(1), "bad": {"obj": object()}}, step=2)
+        assert ckpt.steps() == [1]
+        assert dir_tree(root) == before
+        assert read_text(root / "latest") == latest
+        assert tmp_entries(root) == []
+        # The slot was released: the next save goes through.
+        await ckpt.save(state_for(2), step=2)
+        assert ckpt.steps() == [1, 2]
+
+
+async def test_allow_pickle_checkpointer(root: Path) -> None:
+    async with Checkpointer(root, allow_pickle=True) as ckpt:
+        await ckpt.save({"s": {1, 2}, "t": torch.ones(2)}, step=1)
+        got = await ckpt.read()
+        assert at(got, "s") == {1, 2}
+    async with Checkpointer(root) as strict:
+        with pytest.raises(StateError, match="s"):
+            await strict.read()
+        with pytest.raises(StateError):
+            await strict.save({"s": {1, 2}}, step=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"keep_last": 0}, {"max_inflight": 0}, {"on_busy": "sometimes"}, {"keep_every": 0}],
+    ids=["keep_last", "max_inflight", "on_busy", "keep_every"],
+)
+def test_bad_arguments(kwargs: dict[str, object], root: Path) -> None:
+    with pytest.raises(aiockpt.CheckpointError):
+        Checkpointer(root, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, "3", True])
+async def test_bad_step(step: object, root: Path) -> None:
+    async with Checkpointer(root) as ckpt:
+        with pytest.raises(aiockpt.CheckpointError):
+            await ckpt.save(state_for(1), step=step)  # type: ignore[call-overload]
+        assert ckpt.steps() == []
+        assert tmp_entries(root) == []

@@ -1,0 +1,309 @@
+"""Load semantics: into fresh objects, strict by default, partial with strict=False, in place."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    assert_tree_equal,
+    make_model,
+    make_optimizer,
+    make_scheduler,
+    snapshot,
+    tensor_at,
+    tensors_in,
+    train_step,
+)
+
+import aiockpt
+from aiockpt import StateMismatchError, StateMismatchWarning
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def mismatch_state() -> dict[str, object]:
+    return {
+        "same": torch.arange(6, dtype=torch.float32),
+        "shape": torch.ones(2, 2),
+        "dtype": torch.ones(4, dtype=torch.float32),
+        "only_in_ckpt": torch.ones(1),
+        "nested": {"x": torch.full((3,), 7.0), "gone": torch.zeros(2)},
+    }
+
+
+def mismatch_target() -> dict[str, object]:
+    return {
+        "same": torch.zeros(6),
+        "shape": torch.zeros(3, 3),  # shape differs
+        "dtype": torch.zeros(4, dtype=torch.int64),  # dtype differs
+        "only_in_target": torch.zeros(1),  # missing from the checkpoint
+        "nested": {"x": torch.zeros(3), "extra": torch.zeros(1)},  # "gone" unexpected, "extra" missing
+    }
+
+
+MISMATCHED_KEYS = ("shape", "dtype", "only_in_ckpt", "only_in_target", "nested/gone", "nested/extra")
+
+
+# --- Resume into freshly built objects ------------------------------------------------------------------
+
+
+async def test_resume_into_fresh_model_and_never_stepped_optimizer(ckpt_path: Path) -> None:
+    model = make_model(0)
+    opt = make_optimizer(model)
+    sched = make_scheduler(opt)
+    for i in range(3):
+        train_step(model, opt, sched, i)
+    state: dict[str, object] = {"model": model, "optim": opt, "sched": sched, "step": 3}
+    await aiockpt.save(state, ckpt_path)
+
+    model2 = make_model(1)  # different initial weights
+    opt2 = make_optimizer(model2)
+    sched2 = make_scheduler(opt2)
+    assert opt2.state_dict()["state"] == {}  # never stepped: no per-parameter state to load into
+    assert not torch.equal(next(model2.parameters()), next(model.parameters()))
+    state2: dict[str, object] = {"model": model2, "optim": opt2, "sched": sched2, "step": 0}
+    result = await aiockpt.load(state2, ckpt_path)
+
+    assert result is state2
+    assert state2["model"] is model2
+    assert state2["optim"] is opt2
+    assert state2["sched"] is sched2
+    assert state2["step"] == 3
+    assert_tree_equal(model2.state_dict(), model.state_dict())
+    assert_tree_equal(opt2.state_dict(), opt.state_dict())
+    assert_tree_equal(sched2.state_dict(), sched.state_dict())
+    # The optimizer state is live: it steps exactly like the original.
+    for i in range(3, 5):
+        train_step(model, opt, sched, i)
+        train_step(model2, opt2, sched2, i)
+    assert_tree_equal(model2.state_dict(), model.state_dict())
+    assert_tree_equal(opt2.state_dict(), opt.state_dict())
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+async def test_module_tensors_are_loaded_in_place(ckpt_path: Path) -> None:
+    model = make_model(0)
+    await aiockpt.save({"model": model}, ckpt_path)
+    model2 = make_model(1)
+    params = dict(model2.named_parameters())
+    ptrs = {name: p.data_ptr() for name, p in params.items()}
+    await aiockpt.load({"model": model2}, ckpt_path)
+    for name, p in model2.named_parameters():
+        assert p is params[name]  # the same Parameter objects (an optimizer holding them keeps working)
+        assert p.data_ptr() == ptrs[name]
+    assert_tree_equal(model2.state_dict(), model.state_dict())
+
+
+async def test_load_into_parameters_that_require_grad(ckpt_path: Path) -> None:
+    w = torch.randn(3, 4)
+    await aiockpt.save({"w": w}, ckpt_path)
+    p = torch.nn.Parameter(torch.zeros(3, 4))
+    state: dict[str, object] = {"w": p}
+    await aiockpt.load(state, ckpt_path)
+    assert state["w"] is p
+    assert p.requires_grad
+    assert torch.equal(p.detach(), w)
+
+
+async def test_load_into_views_writes_through_to_the_base(ckpt_path: Path) -> None:
+    saved = torch.arange(20.0).reshape(4, 5)
+    saved_state: dict[str, object] = {
+        "t": saved.t().contiguous(),
+        "row": saved[1].clone(),
+        "corner": saved[:2, :2],
+    }
+    await aiockpt.save(saved_state, ckpt_path)
+    base = torch.zeros(4, 5)
+    other = torch.zeros(3, 5)
+    state: dict[str, object] = {"t": base.t(), "row": other[1], "corner": torch.zeros(4, 4)[::2, ::2]}
+    await aiockpt.load(state, ckpt_path)
+    assert torch.equal(base, saved)
+    assert torch.equal(other[1], saved[1])
+    assert torch.equal(other[0], torch.zeros(5))
+    assert torch.equal(other[2], torch.zeros(5))
+    assert torch.equal(tensor_at(state, "corner"), saved[:2, :2])
+
+
+async def test_nested_containers_load_in_place(ckpt_path: Path) -> None:
+    saved: dict[str, object] = {
+        "nested": {"a": torch.ones(2), "lst": [torch.full((2,), 2.0), 5], "tup": (torch.full((1,), 3.0),)},
+        "cfg": {"lr": 0.25, "name": "new", "sizes": [1, 2]},
+    }
+    await aiockpt.save(saved, ckpt_path)
+    a, l0, t0 = torch.zeros(2), torch.zeros(2), torch.zeros(1)
+    state: dict[str, object] = {
+        "nested": {"a": a, "lst": [l0, 0], "tup": (t0,)},
+        "cfg": {"lr": 1.0, "name": "old", "sizes": [0, 0]},
+    }
+    await aiockpt.load(state, ckpt_path)
+    assert_tree_equal(state, saved)
+    # Tensors are filled in place, wherever they sit.
+    assert tensor_at(state, "nested", "a") is a
+    assert tensor_at(state, "nested", "lst", 0) is l0
+    assert tensor_at(state, "nested", "tup", 0) is t0
+    assert torch.equal(a, torch.ones(2))
+    assert torch.equal(t0, torch.full((1,), 3.0))
+
+
+async def test_plain_values_are_replaced_in_the_mapping(ckpt_path: Path) -> None:
+    await aiockpt.save({"epoch": 7, "name": "run-7", "best": 0.5, "done": True, "extra": None}, ckpt_path)
+    state: dict[str, object] = {"epoch": 0, "name": "", "best": math.inf, "done": False, "extra": None}
+    result = await aiockpt.load(state, ckpt_path)
+    assert result is state
+    assert state == {"epoch": 7, "name": "run-7", "best": 0.5, "done": True, "extra": None}
+
+
+async def test_load_returns_the_state_object(ckpt_path: Path) -> None:
+    await aiockpt.save({"x": torch.ones(1)}, ckpt_path)
+    state: dict[str, object] = {"x": torch.zeros(1)}
+    assert await aiockpt.load(state, ckpt_path) is state
+
+
+async def test_read_then_load_give_the_same_values(ckpt_path: Path) -> None:
+    model = make_model(0)
+    await aiockpt.save({"model": model}, ckpt_path)
+    fresh = make_model(3)
+    await aiockpt.load({"model": fresh}, ckpt_path)
+    got = await aiockpt.read(ckpt_path)
+    assert_tree_equal(got["model"], fresh.state_dict())
+
+
+# --- Strict (default) -----------------------------------------------------------------------------------
+
+
+async def test_strict_load_reports_every_difference_at_once(ckpt_path: Path) -> None:
+    await aiockpt.save(mismatch_state(), ckpt_path)
+    target = mismatch_target()
+    before = snapshot(target)
+    objects = {k: id(v) for k, v in target.items()}
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load(target, ckpt_path)
+    err = info.value
+    assert isinstance(err, aiockpt.StateError)
+    assert isinstance(err, aiockpt.CheckpointError)
+    assert len(err.differences) == len(MISMATCHED_KEYS), err.differences
+    for key in MISMATCHED_KEYS:
+        assert sum(key in d.split(":")[0] for d in err.differences) >= 1, (key, err.differences)
+        assert key in str(err)
+    assert "same" not in " ".join(d.split(":")[0] for d in err.differences)
+    # Nothing in the target was touched.
+    assert_tree_equal(target, before)
+    assert {k: id(v) for k, v in target.items()} == objects
+
+
+async def test_strict_is_the_default_and_explicit(ckpt_path: Path) -> None:
+    await aiockpt.save({"a": torch.ones(2)}, ckpt_path)
+    target: dict[str, object] = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    with pytest.raises(StateMismatchError, match="b"):
+        await aiockpt.load(target, ckpt_path)
+    with pytest.raises(StateMismatchError, match="b"):
+        await aiockpt.load(target, ckpt_path, strict=True)
+    assert torch.equal(tensor_at(target, "a"), torch.zeros(2))
+
+
+async def test_strict_load_of_a_different_architecture_changes_nothing(ckpt_path: Path) -> None:
+    torch.manual_seed(0)
+    await aiockpt.save({"model": torch.nn.Linear(4, 3)}, ckpt_path)
+    other = torch.nn.Linear(4, 5)
+    before = snapshot(other)
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load({"model": other}, ckpt_path)
+    text = str(info.value)
+    assert "model/weight" in text
+    assert "model/bias" in text
+    assert len(info.value.differences) == 2
+    assert_tree_equal(other.state_dict(), before)
+
+
+async def test_strict_load_reports_unexpected_module_keys(ckpt_path: Path) -> None:
+    torch.manual_seed(0)
+    bigger = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    await aiockpt.save({"model": bigger}, ckpt_path)
+    smaller = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    before = snapshot(smaller)
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load({"model": smaller}, ckpt_path)
+    assert sorted(d.split(":")[0] for d in info.value.differences) == ["model/1.bias", "model/1.weight"]
+    assert_tree_equal(smaller.state_dict(), before)
+
+
+async def test_strict_load_reports_container_mismatches(ckpt_path: Path) -> None:
+    saved: dict[str, object] = {"lst": [torch.ones(1), torch.ones(1)], "val": torch.ones(2), "d": {"k": 1}}
+    await aiockpt.save(saved, ckpt_path)
+    target: dict[str, object] = {"lst": [torch.zeros(1)], "val": {"k": torch.zeros(2)}, "d": torch.zeros(1)}
+    before = snapshot(target)
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load(target, ckpt_path)
+    keys = sorted(d.split(":")[0] for d in info.value.differences)
+    assert keys == ["d", "lst", "val"], info.value.differences
+    assert_tree_equal(target, before)
+
+
+# --- Non-strict -----------------------------------------------------------------------------------------
+
+
+async def test_non_strict_loads_what_matches_and_warns_about_the_rest(ckpt_path: Path) -> None:
+    await aiockpt.save(mismatch_state(), ckpt_path)
+    target = mismatch_target()
+    with pytest.warns(StateMismatchWarning) as record:
+        result = await aiockpt.load(target, ckpt_path, strict=False)
+    assert result is target
+    text = " ".join(str(w.message) for w in record)
+    for key in MISMATCHED_KEYS:
+        assert key in text, (key, text)
+    assert torch.equal(tensor_at(target, "same"), torch.arange(6, dtype=torch.float32))
+    assert torch.equal(tensor_at(target, "nested", "x"), torch.full((3,), 7.0))
+    # What did not match is left alone, and entries the checkpoint lacks stay in the target.
+    nested = target["nested"]
+    assert isinstance(nested, dict)
+    assert "extra" in nested, f"strict=False dropped the target's own entry nested/extra: {list(nested)}"
+    assert torch.equal(tensor_at(target, "shape"), torch.zeros(3, 3))
+    assert torch.equal(tensor_at(target, "dtype"), torch.zeros(4, dtype=torch.int64))
+    assert torch.equal(tensor_at(target, "only_in_target"), torch.zeros(1))
+    assert torch.equal(tensor_at(target, "nested", "extra"), torch.zeros(1))
+
+
+async def test_non_strict_without_differences_does_not_warn(ckpt_path: Path) -> None:
+    await aiockpt.save({"a": torch.ones(2)}, ckpt_path)
+    target: dict[str, object] = {"a": torch.zeros(2)}
+    await aiockpt.load(target, ckpt_path, strict=False)  # warnings are errors in this suite
+    assert torch.equal(tensor_at(target, "a"), torch.ones(2))
+
+
+async def test_non_strict_partial_module_load(ckpt_path: Path) -> None:
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 3))
+    await aiockpt.save({"model": saved}, ckpt_path)
+    torch.manual_seed(1)
+    target = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 4))  # head resized
+    head_before = snapshot(target[1])
+    with pytest.warns(StateMismatchWarning, match=r"model/1\.weight"):
+        await aiockpt.load({"model": target}, ckpt_path, strict=False)
+    assert_tree_equal(target[0].state_dict(), saved[0].state_dict())
+    assert_tree_equal(target[1].state_dict(), head_before)
+
+
+# --- Tensors of every kind load in place ----------------------------------------------------------------
+
+
+async def test_load_keeps_tensor_identity_everywhere(ckpt_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    saved: dict[str, object] = {
+        "a": torch.randn(3, generator=gen),
+        "b": [torch.randn(2, 2, generator=gen)],
+        "c": {"d": torch.randint(0, 9, (4,), generator=gen)},
+    }
+    await aiockpt.save(saved, ckpt_path)
+    target: dict[str, object] = {
+        "a": torch.zeros(3),
+        "b": [torch.zeros(2, 2)],
+        "c": {"d": torch.zeros(4).long()},
+    }
+    before = list(tensors_in(target))
+    await aiockpt.load(target, ckpt_path)
+    after = list(tensors_in(target))
+    assert all(x is y for x, y in zip(before, after, strict=True))
+    assert_tree_equal(target, saved)

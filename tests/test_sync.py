@@ -1,0 +1,189 @@
+"""The blocking facade, used from plain (non-async) code as a synchronous training loop would."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    assert_tree_equal,
+    at,
+    exists,
+    make_model,
+    make_optimizer,
+    make_scheduler,
+    read_text,
+    snapshot,
+    tensor_at,
+    tmp_entries,
+    train_step,
+)
+
+import aiockpt
+import aiockpt.sync
+from aiockpt import SaveState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def training_state(seed: int = 0) -> tuple[dict[str, object], torch.nn.Module, torch.optim.Optimizer]:
+    model = make_model(seed)
+    opt = make_optimizer(model)
+    sched = make_scheduler(opt)
+    return {"model": model, "optim": opt, "sched": sched, "step": 0}, model, opt
+
+
+def test_sync_checkpointer_training_loop(root: Path) -> None:
+    state, model, opt = training_state()
+    sched = state["sched"]
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    expected: dict[int, object] = {}
+    with aiockpt.sync.Checkpointer(root, keep_last=2) as ckpt:
+        assert ckpt.steps() == []
+        assert ckpt.latest_step() is None
+        for step in range(1, 5):
+            train_step(model, opt, sched, step)
+            state["step"] = step
+            expected[step] = snapshot(state)
+            h = ckpt.save(state, step=step, async_op=True)
+            assert h.state is not SaveState.STAGING
+            train_step(model, opt, sched, 100 + step)  # the loop goes on while the save is written
+            meta = h.result()
+            assert isinstance(meta, aiockpt.Metadata)
+            assert meta.step == step
+            assert h.done()
+            assert h.state is SaveState.COMMITTED
+        assert ckpt.steps() == [3, 4]
+        assert ckpt.latest_step() == 4
+        assert_tree_equal(ckpt.read(), expected[4])
+        assert_tree_equal(ckpt.read(3), expected[3])
+
+    assert read_text(root / "latest").strip() == "step-00000004"
+    assert tmp_entries(root) == []
+
+    # Resume in a fresh process-like setting: new objects, new Checkpointer.
+    state2, _, _ = training_state(seed=1)
+    with aiockpt.sync.Checkpointer(root) as ckpt2:
+        assert ckpt2.load(state2) == 4
+        assert state2["step"] == 4
+        assert_tree_equal(snapshot(state2), expected[4])
+        assert ckpt2.load(state2, step=3) == 3
+        assert_tree_equal(snapshot(state2), expected[3])
+
+
+def test_sync_checkpointer_blocking_save(root: Path) -> None:
+    state: dict[str, object] = {"w": torch.arange(10.0), "epoch": 1}
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        meta = ckpt.save(state, step=1)
+        assert isinstance(meta, aiockpt.Metadata)
+        assert exists(root / "step-00000001" / "manifest.msgpack")
+        with pytest.raises(aiockpt.CheckpointExistsError):
+            ckpt.save(state, step=1)
+        target: dict[str, object] = {"w": torch.zeros(10), "epoch": 0}
+        w = target["w"]
+        assert ckpt.load(target) == 1
+        assert target["w"] is w
+        assert_tree_equal(target, state)
+
+
+def test_sync_checkpointer_empty_root(root: Path) -> None:
+    target: dict[str, object] = {"w": torch.ones(2)}
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        assert ckpt.load(target) is None
+        with pytest.raises(aiockpt.CheckpointNotFoundError):
+            ckpt.load(target, step=1)
+    assert torch.equal(tensor_at(target, "w"), torch.ones(2))
+
+
+def test_sync_async_save_snapshot_taken_at_staging(root: Path) -> None:
+    w = torch.randn(1 << 20)
+    state: dict[str, object] = {"w": w}
+    expected = snapshot(state)
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        h = ckpt.save(state, step=1, async_op=True)
+        w.mul_(-1)
+        h.result()
+        assert_tree_equal(ckpt.read(1), expected)
+
+
+def test_sync_close_waits_for_saves_in_flight(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        h = ckpt.save({"w": torch.ones(1 << 20)}, step=3, async_op=True)
+    assert h.done()
+    assert h.state is SaveState.COMMITTED
+    assert exists(root / "step-00000003" / "manifest.msgpack")
+
+
+def test_sync_failures_propagate(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        with pytest.raises(aiockpt.StateError, match="x/y"):
+            ckpt.save({"x": {"y": object()}}, step=1)
+        with pytest.raises(aiockpt.StateError):
+            ckpt.save({"x": {"y": object()}}, step=1, async_op=True)
+        assert ckpt.steps() == []
+    assert tmp_entries(root) == []
+
+
+def test_sync_on_busy_skip(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root, max_inflight=1, on_busy="skip") as ckpt:
+        h1 = ckpt.save({"w": torch.ones(1 << 21)}, step=1, async_op=True)
+        h2 = ckpt.save({"w": torch.ones(1 << 21)}, step=2, async_op=True)
+        assert h2.state is SaveState.SKIPPED
+        assert h2.skipped
+        with pytest.raises(aiockpt.BusyError):
+            h2.result()
+        h1.result()
+        assert ckpt.steps() == [1]
+
+
+def test_sync_close_stops_the_loop_thread(root: Path) -> None:
+    before = {t.ident for t in threading.enumerate()}
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, step=1)
+    leaked = [t for t in threading.enumerate() if t.ident not in before and t.name == "aiockpt-sync"]
+    assert leaked == []
+
+
+def test_sync_module_functions_roundtrip(tmp_path: Path) -> None:
+    state, model, opt = training_state()
+    sched = state["sched"]
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    for i in range(2):
+        train_step(model, opt, sched, i)
+    state["extras"] = {"tuple": (1, "a"), "bytes": b"\x00\x01", "t": torch.arange(4)}
+    expected = snapshot(state)
+    path = tmp_path / "ckpt"
+    meta = aiockpt.sync.save(state, path)
+    assert isinstance(meta, aiockpt.Metadata)
+    assert meta.path == str(path)
+
+    got = aiockpt.sync.read(path)
+    assert_tree_equal(got, expected)
+    assert type(at(got, "extras", "tuple")) is tuple
+
+    state2, model2, opt2 = training_state(seed=5)
+    t2 = torch.zeros(4, dtype=torch.int64)
+    state2["extras"] = {"tuple": (0, ""), "bytes": b"", "t": t2}
+    result = aiockpt.sync.load(state2, path)
+    assert result is state2
+    assert_tree_equal(snapshot(state2), expected)
+    assert state2["model"] is model2
+    assert tensor_at(state2, "extras", "t") is t2
+    # Both continue identically.
+    train_step(model, opt, None, 7)
+    train_step(model2, opt2, None, 7)
+    assert_tree_equal(model2.state_dict(), model.state_dict())
+
+
+def test_sync_module_functions_errors(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    with pytest.raises(aiockpt.CheckpointNotFoundError):
+        aiockpt.sync.read(path)
+    aiockpt.sync.save({"a": torch.ones(2)}, path)
+    with pytest.raises(aiockpt.CheckpointExistsError):
+        aiockpt.sync.save({"a": torch.zeros(2)}, path)
+    with pytest.raises(aiockpt.StateMismatchError, match="b"):
+        aiockpt.sync.load({"a": torch.zeros(2), "b": torch.zeros(1)}, path)
+    assert_tree_equal(aiockpt.sync.read(path), {"a": torch.ones(2)})
