@@ -8,7 +8,7 @@ from typing import Literal, overload
 
 from ._format import Key
 from ._fs import absolute
-from ._handle import Metadata, SaveHandle
+from ._handle import Metadata, SaveHandle, SaveState
 from ._load import run_load, run_read
 from ._memory import StagingPool
 from ._options import IOConfig
@@ -81,11 +81,9 @@ async def save(
     handle = SaveHandle(path=str(req.path), step=None)
     pool = StagingPool()
 
-    async def body(on_staged: Callable[[], None]) -> Metadata:
+    async def body(report: Callable[[SaveState], None]) -> Metadata:
         try:
-            return await run_save(
-                req, world=LocalWorld(), pool=pool, metrics=handle.metrics, on_staged=on_staged
-            )
+            return await run_save(req, world=LocalWorld(), pool=pool, metrics=handle.metrics, report=report)
         finally:
             pool.close()
 

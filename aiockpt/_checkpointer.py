@@ -21,7 +21,7 @@ from ._errors import (
 )
 from ._format import Key
 from ._fs import TMP_PREFIX, absolute, collect_garbage, fsync_dir, remove_tree, replace_durable
-from ._handle import Metadata, SaveHandle
+from ._handle import Metadata, SaveHandle, SaveState
 from ._load import is_checkpoint, run_load, run_read
 from ._memory import StagingPool
 from ._options import IOConfig
@@ -225,10 +225,10 @@ class Checkpointer:
             io=self.io,
         )
 
-        async def body(on_staged: Callable[[], None]) -> Metadata:
+        async def body(report: Callable[[SaveState], None]) -> Metadata:
             try:
                 meta = await run_save(
-                    req, world=LocalWorld(), pool=self._pool, metrics=handle.metrics, on_staged=on_staged
+                    req, world=LocalWorld(), pool=self._pool, metrics=handle.metrics, report=report
                 )
                 with anyio.CancelScope(shield=True):  # committed: the bookkeeping must follow
                     await self._after_commit(step)

@@ -172,28 +172,29 @@ class SaveHandle:
 
     async def _drive(
         self,
-        body: Callable[[Callable[[], None]], Awaitable[Metadata]],
+        body: Callable[[Callable[[SaveState], None]], Awaitable[Metadata]],
         *,
         task_status: anyio.abc.TaskStatus[SaveHandle] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Run ``body(on_staged)`` as this handle's save; report "started" once it is staged.
+        """Run ``body(report)`` as this handle's save; report "started" once it is staged.
 
         A failure before staging is raised to whoever started the save; after staging it is kept for
         ``await handle``. Cancellation by :meth:`cancel` ends here; any other cancellation propagates.
         """
         started = False
 
-        def on_staged() -> None:
+        def report(state: SaveState) -> None:
             nonlocal started
-            self._set_state(SaveState.STAGED)
-            self.metrics.staged()
-            started = True
-            task_status.started(self)
+            self._set_state(state)
+            if state is SaveState.STAGED:
+                self.metrics.staged()
+                started = True
+                task_status.started(self)
 
         with anyio.CancelScope() as scope:
             self._scope = scope
             try:
-                metadata = await body(on_staged)
+                metadata = await body(report)
             except anyio.get_cancelled_exc_class():
                 self._finish(SaveState.CANCELLED)
                 raise

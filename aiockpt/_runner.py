@@ -16,7 +16,7 @@ import anyio
 import anyio.abc
 
 from ._errors import CheckpointError
-from ._handle import SaveHandle
+from ._handle import Metadata, SaveHandle, SaveState
 
 
 class _Runner:
@@ -50,7 +50,7 @@ async def _runner() -> _Runner:
 
 
 async def start_background(
-    handle: SaveHandle, body: Callable[[Callable[[], None]], Awaitable[object]]
+    handle: SaveHandle, body: Callable[[Callable[[SaveState], None]], Awaitable[Metadata]]
 ) -> SaveHandle:
     """Run ``body`` as ``handle``'s save in the background; return once it is staged.
 

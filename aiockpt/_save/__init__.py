@@ -17,23 +17,23 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from .._errors import CheckpointExistsError, StorageError
-from .._format import ENCODER, DictNode, Manifest
+from .._errors import CheckpointExistsError, DistributedError, StorageError
+from .._format import ENCODER, ENVELOPE_DECODER, MANIFEST_DECODER, MANIFEST_NAME, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, OwnerLock, remove_tree
 from .._gc import paused
-from .._handle import Metadata, SaveMetrics
+from .._handle import Metadata, SaveMetrics, SaveState
 from .._memory import StagingPool
 from .._options import IOConfig
 from .._threads import run_sync
 from .._world import World
 from ._finish import build_manifest, commit, encode_manifest
-from ._global_plan import GlobalPlan, RankPlan, global_plan
+from ._global_plan import GlobalPlan, global_plan
 from ._local_plan import LocalPlan, local_plan
+from ._protocol import Exchanges, Status, describe
 from ._stage import Staged, stage
 from ._write import WriteResult, write
 
 _LOCAL_PLAN = msgspec.msgpack.Decoder(LocalPlan)
-_RANK_PLAN = msgspec.msgpack.Decoder(RankPlan)
 _WRITE_RESULT = msgspec.msgpack.Decoder(WriteResult)
 
 
@@ -55,10 +55,9 @@ def _plan_local(rank: int, staged: Staged) -> bytes:
         return ENCODER.encode(local_plan(rank, staged.flat))
 
 
-def _plan_global(gathered: list[bytes]) -> tuple[GlobalPlan, list[bytes]]:
+def _plan_global(gathered: list[bytes]) -> GlobalPlan:
     with paused():
-        plan = global_plan([_LOCAL_PLAN.decode(b) for b in gathered])
-        return plan, [ENCODER.encode(r) for r in plan.ranks]
+        return global_plan([_LOCAL_PLAN.decode(b) for b in gathered])
 
 
 def _manifest(
@@ -77,10 +76,23 @@ def _manifest(
         return manifest, encoded, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
-def _check_target(path: Path) -> None:
+def _prepare_target(path: Path) -> tuple[Path, OwnerLock]:
     if os.path.lexists(path):
         raise CheckpointExistsError(f"{path} already exists; aiockpt never overwrites a checkpoint")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return _open_tmp(path)
+    except OSError as exc:
+        reason = exc.strerror or exc
+        raise StorageError(f"cannot create a temp dir beside {path}: {reason}", path=str(path)) from exc
+
+
+def _read_summary(path: Path) -> tuple[Manifest, int, int]:
+    """What a non-coordinator rank reports about a checkpoint rank 0 published."""
+    raw = (path / MANIFEST_NAME).read_bytes()
+    env = ENVELOPE_DECODER.decode(raw)
+    manifest = MANIFEST_DECODER.decode(env.body)
+    return manifest, env.body_crc32c, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
 def _open_tmp(path: Path) -> tuple[Path, OwnerLock]:
@@ -107,48 +119,54 @@ async def run_save(
     world: World,
     pool: StagingPool,
     metrics: SaveMetrics,
-    on_staged: Callable[[], None],
+    report: Callable[[SaveState], None],
     limiter: anyio.CapacityLimiter | None = None,
 ) -> Metadata:
-    """Save ``req.state`` to ``req.path``; call ``on_staged()`` once the caller may mutate the state.
+    """Save ``req.state`` to ``req.path`` on every rank of ``world`` (a collective call).
+
+    ``report(SaveState.STAGED)`` is called once the caller may mutate the state again, and
+    ``report(SaveState.WRITING)`` when this rank starts writing.
 
     Raises:
         CheckpointExistsError: ``req.path`` exists.
         StateError: The state cannot be saved; names the key.
         StorageError: Writing failed (e.g. disk full); earlier checkpoints are untouched.
+        DistributedError: Another rank failed or was cancelled (names the ranks), or a collective timed out.
     """
-    try:
-        await run_sync(lambda: _check_target(req.path), limiter)
-    except OSError as exc:
-        raise StorageError(
-            f"cannot create {req.path.parent}: {exc.strerror or exc}", path=str(req.path)
-        ) from exc
-    staged = await stage(req.state, copy=req.copy, pool=pool, allow_pickle=req.allow_pickle, limiter=limiter)
-    metrics.phase("stage")
-    metrics.nbytes, metrics.staged_bytes = staged.nbytes, staged.copied
+    coordinator = world.rank == 0
+    exchanges = Exchanges(world)
+    staged: Staged | None = None
     tmp: tuple[Path, OwnerLock] | None = None
     try:
-        on_staged()
-
+        # --- stage and local plan: this rank alone
+        if coordinator:
+            tmp = await run_sync(partial(_prepare_target, req.path), limiter)
+        staged = await stage(
+            req.state, copy=req.copy, pool=pool, allow_pickle=req.allow_pickle, limiter=limiter
+        )
+        metrics.phase("stage")
+        metrics.nbytes, metrics.staged_bytes = staged.nbytes, staged.copied
+        report(SaveState.STAGED)
         local = await run_sync(partial(_plan_local, world.rank, staged), limiter)
         metrics.phase("local_plan")
 
-        gathered = await world.gather(local)
-        plan: GlobalPlan | None = None
-        payloads: list[bytes] | None = None
-        if gathered is not None:
-            plan, payloads = await run_sync(partial(_plan_global, gathered), limiter)
-        mine = _RANK_PLAN.decode(await world.scatter(payloads))
+        # --- global plan: every rank computes the same pure plan from everyone's local plans
+        mine = Status(ok=True, payload=local, tmp=tmp[0].name if tmp else "")
+        statuses = await exchanges.exchange("plan", mine)
+        exchanges.check("plan", statuses)
+        directory = req.path.with_name(statuses[0].tmp)
+        plan = await run_sync(partial(_plan_global, [s.payload for s in statuses]), limiter)
         metrics.phase("global_plan")
 
-        try:
-            tmp = await run_sync(lambda: _open_tmp(req.path), limiter)
-        except OSError as exc:
-            raise StorageError(
-                f"cannot create a temp dir beside {req.path}: {exc}", path=str(req.path)
-            ) from exc
+        # --- write: this rank's chunks
+        report(SaveState.WRITING)
         result = await write(
-            mine, staged.sources, tmp[0], block=req.io.checksum_block, threads=req.io.threads, limiter=limiter
+            plan.ranks[world.rank],
+            staged.sources,
+            directory,
+            block=req.io.checksum_block,
+            threads=req.io.threads,
+            limiter=limiter,
         )
         metrics.written_bytes = result.nbytes
         metrics.phase("write")
@@ -156,24 +174,46 @@ async def run_save(
             pool.release(staged.buffer)
             staged.buffer = None
 
-        results = await world.gather(ENCODER.encode(result))
-        assert plan is not None
-        assert results is not None
-        manifest, encoded, manifest_crc, nbytes = await run_sync(
-            lambda: _manifest(plan, results, staged.flat.tree, req), limiter
-        )
-        await commit(tmp[0], req.path, encoded, limiter)
-        await run_sync(tmp[1].release, limiter)
-        tmp = None
+        # --- finish: votes, then the coordinator commits and tells everyone
+        statuses = await exchanges.exchange("vote", Status(ok=True, payload=ENCODER.encode(result)))
+        outcome = Status(ok=True)
+        summary: tuple[Manifest, int, int] | None = None
+        if coordinator:
+            assert tmp is not None
+            try:
+                exchanges.check("vote", statuses)
+                manifest, encoded, crc, nbytes = await run_sync(
+                    partial(_manifest, plan, [s.payload for s in statuses], staged.flat.tree, req), limiter
+                )
+                await commit(tmp[0], req.path, encoded, limiter)
+                summary = (manifest, crc, nbytes)
+            except Exception as exc:
+                outcome = Status(ok=False, error=describe(exc))
+                with anyio.CancelScope(shield=True):
+                    await exchanges.exchange("outcome", outcome)
+                raise
+            finally:
+                if summary is not None:  # published: the temp dir is gone, only its lock remains
+                    await run_sync(tmp[1].release, limiter)
+                    tmp = None
+        with anyio.CancelScope(shield=True):  # past the commit point every rank must learn the outcome
+            statuses = await exchanges.exchange("outcome", outcome)
+        exchanges.settled = True
+        if not statuses[0].ok:
+            raise DistributedError(f"rank 0 did not publish {req.path}: {statuses[0].error}", ranks=[0])
         metrics.phase("finish")
-    except BaseException:
-        if tmp is not None:
-            with anyio.CancelScope(shield=True):
+        if summary is None:
+            summary = await run_sync(lambda: _read_summary(req.path), limiter)
+    except BaseException as exc:
+        with anyio.CancelScope(shield=True):
+            await exchanges.abort(describe(exc))
+            if tmp is not None:
                 await run_sync(partial(_discard_tmp, *tmp), limiter)
         raise
     finally:
-        if staged.buffer is not None:
+        if staged is not None and staged.buffer is not None:
             pool.release(staged.buffer)
+    manifest, crc, nbytes = summary
     return Metadata(
         path=str(req.path),
         step=req.step,
@@ -182,6 +222,6 @@ async def run_save(
         num_tensors=len(manifest.tensors),
         files=manifest.files,
         created_at=manifest.created_at,
-        manifest_crc32c=manifest_crc,
+        manifest_crc32c=crc,
         timings=dict(metrics.seconds),
     )

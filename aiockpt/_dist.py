@@ -1,0 +1,124 @@
+"""The ``torch.distributed`` bridge: a private gloo group and a dedicated collective thread.
+
+Checkpoint collectives never share a process group with training: each parent group (the default one,
+or the ``process_group`` a user passes) gets its own gloo group, created once, so checkpoint traffic
+never interleaves with NCCL or other collectives and works for CPU bytes. Collectives are blocking
+calls; they run one at a time on a single thread per group, in call order, so the event loop never
+blocks and every rank issues them in the same order. Payloads are msgspec bytes, never pickle.
+
+A collective that fails or times out (a dead or stuck rank) raises :class:`DistributedError`, and the
+group is marked broken: later checkpoint collectives on it fail at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ._errors import DistributedError
+from ._memory import byte_view
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class DistWorld:
+    """A checkpoint group over ``torch.distributed``; see the module docstring.
+
+    Args:
+        group: The parent process group (``None``: the default group).
+        timeout: Seconds each checkpoint collective may take before it fails.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        # Only the members take part in creating it, so a sub-group needs no call from other ranks.
+        self._pg = dist.new_group(
+            ranks=ranks,
+            backend="gloo",
+            timeout=timedelta(seconds=timeout),
+            use_local_synchronization=ranks is not None,
+        )
+        self.rank = dist.get_rank(self._pg)
+        self.size = dist.get_world_size(self._pg)
+        self.timeout = timeout
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiockpt-collectives")
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<DistWorld rank={self.rank} size={self.size}>"
+
+    async def all_gather(self, payload: bytes, *, what: str) -> list[bytes]:
+        """Every rank gets every rank's ``payload`` (see :class:`aiockpt._world.World`).
+
+        Cancelling the awaiting task does not stop the collective (a blocking call cannot be
+        interrupted); the next collective simply queues behind it, which keeps the order of collectives
+        identical on every rank.
+
+        Raises:
+            DistributedError: The collective failed or timed out, or an earlier one did.
+        """
+        future = self.submit(payload, what=what)
+        return await asyncio.wrap_future(future)
+
+    def submit(self, payload: bytes, *, what: str) -> Future[list[bytes]]:
+        """Queue the collective on the group's thread; the future resolves to every rank's payload."""
+        return self._executor.submit(self._all_gather, payload, what)
+
+    def _all_gather(self, payload: bytes, what: str) -> list[bytes]:
+        if self._broken is not None:
+            raise DistributedError(
+                f"checkpoint collective {what!r} refused on rank {self.rank}: the checkpoint group broke "
+                f"earlier ({self._broken})"
+            )
+        try:
+            return _all_gather_bytes(payload, self._pg, self.size)
+        except Exception as exc:
+            self._broken = f"{what}: {exc}"
+            raise DistributedError(
+                f"checkpoint collective {what!r} failed on rank {self.rank} of {self.size} "
+                f"(timeout {self.timeout:g} s): a rank died, hung or diverged: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        """Stop the collective thread (the gloo group lives as long as the process group does)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _all_gather_bytes(payload: bytes, pg: dist.ProcessGroup, size: int) -> list[bytes]:
+    n = torch.tensor([len(payload)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(sizes, n, group=pg)
+    lengths = [int(s.item()) for s in sizes]
+    width = max(max(lengths), 1)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if payload:
+        byte_view(mine)[: len(payload)] = payload
+    outs = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
+    dist.all_gather(outs, mine, group=pg)
+    return [bytes(byte_view(o)[:length]) for o, length in zip(outs, lengths, strict=True)]
+
+
+_worlds: dict[int, DistWorld] = {}
+_worlds_lock = threading.Lock()
+
+
+def world_for(group: dist.ProcessGroup | None, *, timeout: float = DEFAULT_TIMEOUT) -> DistWorld | None:
+    """The checkpoint group of ``group``, created on first use (a collective call).
+
+    Returns:
+        ``None`` when ``torch.distributed`` is not initialised and no group is given (a single process).
+    """
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None
+    key = id(group)
+    with _worlds_lock:
+        world = _worlds.get(key)
+        if world is None or world.timeout != timeout:
+            world = _worlds[key] = DistWorld(group, timeout=timeout)
+        return world

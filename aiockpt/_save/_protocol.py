@@ -1,0 +1,106 @@
+"""The collective protocol of one save: three all-gathers that every rank takes part in.
+
+    plan     after staging     every rank's local plan (rank 0's also names the temp directory)
+    vote     after writing     every rank's checksums, or why it failed
+    outcome  after the commit  rank 0 says whether the checkpoint was published
+
+A rank that fails or is cancelled still takes part in every remaining exchange, with a failed status
+(shielded from cancellation), so no rank waits for it until a timeout and every rank learns the save was
+aborted. A failure reported in ``plan`` ends the protocol there for everyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from .._errors import CheckpointError, DistributedError
+from .._format import ENCODER
+from .._world import World
+
+STEPS = ("plan", "vote", "outcome")
+
+
+class Status(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """One rank's contribution to an exchange."""
+
+    ok: bool
+    error: str = ""
+    payload: bytes = b""
+    tmp: str = ""
+
+
+_STATUS = msgspec.msgpack.Decoder(Status)
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description of why a rank failed, for its peers."""
+    if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)) or type(exc).__name__ == "Cancelled":
+        return "cancelled"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Exchanges:
+    """The state of one save's protocol on this rank."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.done = 0  # exchanges begun
+        self.settled = False  # every rank knows the outcome; no exchange remains
+        self._pending: asyncio.Task[list[bytes]] | None = None
+
+    async def exchange(self, step: str, status: Status) -> list[Status]:
+        """Run the next exchange; return every rank's status.
+
+        The exchange runs in its own task, shielded: if the caller is cancelled meanwhile, it goes on, and
+        :meth:`abort` later reads its result to know which exchanges remain.
+        """
+        assert STEPS[self.done] == step, f"exchange {step!r} out of order"
+        self.done += 1  # counted before awaiting: once begun, an exchange is in flight on every rank
+        self._pending = asyncio.ensure_future(
+            self.world.all_gather(ENCODER.encode(status), what=f"save/{step}")
+        )
+        raw = await asyncio.shield(self._pending)
+        return [_STATUS.decode(r) for r in raw]
+
+    async def _finish_pending(self) -> bool:
+        """Wait for an exchange the caller was cancelled out of; return whether no exchange follows it."""
+        if self._pending is None:
+            return False
+        raw = await self._pending
+        return self.done == len(STEPS) or (self.done == 1 and any(not _STATUS.decode(r).ok for r in raw))
+
+    def check(self, step: str, statuses: list[Status]) -> None:
+        """Raise if any rank failed in ``step``; after ``plan`` that also settles the protocol.
+
+        Raises:
+            DistributedError: Naming every failed rank and why.
+        """
+        failed = {r: s.error for r, s in enumerate(statuses) if not s.ok}
+        if not failed:
+            return
+        if step == "plan":
+            self.settled = True
+        reasons = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
+        raise DistributedError(f"the save was aborted in {step!r} ({reasons})", ranks=sorted(failed))
+
+    async def abort(self, reason: str) -> None:
+        """Take part in every remaining exchange as a failed rank. Call shielded from cancellation."""
+        if self.settled or self.world.size == 1:
+            return
+        failed = Status(ok=False, error=reason)
+        try:
+            if await self._finish_pending():
+                return
+            if self.done == 0:
+                await self.exchange("plan", failed)
+                return  # everyone saw the failure in `plan` and stops there
+            if self.done == 1:
+                await self.exchange("vote", failed)
+            if self.done == 2:
+                await self.exchange("outcome", failed)
+        except CheckpointError:
+            pass  # the group itself broke; the peers get their own DistributedError
+        finally:
+            self.settled = True
