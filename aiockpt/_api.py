@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Literal, overload
 
+import anyio
+
 from ._format import Key
 from ._fs import absolute
 from ._handle import Metadata, SaveHandle, SaveState
@@ -14,6 +16,7 @@ from ._memory import StagingPool
 from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
+from ._threads import run_sync
 from ._world import LocalWorld
 
 
@@ -85,7 +88,8 @@ async def save(
         try:
             return await run_save(req, world=LocalWorld(), pool=pool, metrics=handle.metrics, report=report)
         finally:
-            pool.close()
+            with anyio.CancelScope(shield=True):
+                await run_sync(pool.close)
 
     if async_op:
         return await start_background(handle, body)

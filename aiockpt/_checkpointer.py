@@ -353,4 +353,4 @@ class Checkpointer:
         with anyio.CancelScope(shield=True):
             await self.wait()
         self._closed = True
-        self._pool.close()
+        await run_sync(self._pool.close)

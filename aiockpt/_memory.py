@@ -74,7 +74,10 @@ class StagingPool:
             return sum(b.numel() for b in self._free)
 
     def close(self) -> None:
-        """Drop every free buffer; buffers released later are dropped too."""
+        """Drop every free buffer; buffers released later are dropped too. Blocking: freeing gigabytes
+        takes a while, so call it from a worker thread.
+        """
         with self._lock:
             self._closed = True
-            self._free.clear()
+            free, self._free = self._free, []
+        free.clear()

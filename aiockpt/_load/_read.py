@@ -73,9 +73,11 @@ def prepare(
     return reads, copies, keep
 
 
-def _close_all(fds: Iterable[int]) -> None:
+def _release(fds: Iterable[int], copies: list[Callable[[], None]], keep: list[torch.Tensor]) -> None:
     for fd in fds:
         os.close(fd)
+    copies.clear()
+    keep.clear()
 
 
 def _run_all(calls: Iterable[Callable[[], object]]) -> None:
@@ -166,8 +168,7 @@ async def read_into(
     except OSError as exc:
         raise StorageError(f"cannot read checkpoint data in {directory}: {exc.strerror or exc}") from exc
     finally:
-        if fds:
-            with anyio.CancelScope(shield=True):
-                await run_sync(lambda: _close_all(fds.values()), limiter)
-    del keep
+        # Host buffers are freed in the thread too: unmapping large ones would stall the event loop.
+        with anyio.CancelScope(shield=True):
+            await run_sync(lambda: _release(fds.values(), copies, keep), limiter)
     return sum(len(r.view) for r in reads)

@@ -87,6 +87,19 @@ def _prepare_target(path: Path) -> tuple[Path, OwnerLock]:
         raise StorageError(f"cannot create a temp dir beside {path}: {reason}", path=str(path)) from exc
 
 
+async def _give_back(pool: StagingPool, staged: Staged, limiter: anyio.CapacityLimiter | None) -> None:
+    """Return the staging buffer to the pool from a worker thread.
+
+    If the pool is closed the buffer is freed, and unmapping gigabytes takes long enough to stall the
+    event loop: the thread must hold the last reference, hence the hand-over through a list.
+    """
+    if staged.buffer is None:
+        return
+    box = [staged.buffer]
+    staged.buffer = None
+    await run_sync(lambda: pool.release(box.pop()), limiter)
+
+
 def _read_summary(path: Path) -> tuple[Manifest, int, int]:
     """What a non-coordinator rank reports about a checkpoint rank 0 published."""
     raw = (path / MANIFEST_NAME).read_bytes()
@@ -170,9 +183,7 @@ async def run_save(
         )
         metrics.written_bytes = result.nbytes
         metrics.phase("write")
-        if staged.buffer is not None:
-            pool.release(staged.buffer)
-            staged.buffer = None
+        await _give_back(pool, staged, limiter)
 
         # --- finish: votes, then the coordinator commits and tells everyone
         statuses = await exchanges.exchange("vote", Status(ok=True, payload=ENCODER.encode(result)))
@@ -211,8 +222,9 @@ async def run_save(
                 await run_sync(partial(_discard_tmp, *tmp), limiter)
         raise
     finally:
-        if staged is not None and staged.buffer is not None:
-            pool.release(staged.buffer)
+        if staged is not None:
+            with anyio.CancelScope(shield=True):
+                await _give_back(pool, staged, limiter)
     manifest, crc, nbytes = summary
     return Metadata(
         path=str(req.path),

@@ -1,0 +1,131 @@
+"""The machine's own limits for moving a state's bytes: memcpy, fsync'd write and cold read.
+
+The write and read use plain ``os.pwrite``/``os.preadv`` at disjoint offsets of one file, in large chunks,
+from and into the tensors' own memory: no serialization and no extra copies, which is as fast as Python
+can move these bytes through the page cache on this machine. A checkpoint library is judged against them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from benchmarks._fs import drop_cache, fsync_path
+
+CHUNK = 16 * 1024 * 1024
+
+Chunk = tuple[int, memoryview]
+
+
+def memcpy(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]) -> float:
+    """Copy every tensor of ``src`` into the matching, already allocated tensor of ``dst``.
+
+    Returns:
+        Elapsed seconds.
+    """
+    start = time.perf_counter()
+    for key, t in src.items():
+        dst[key].copy_(t)
+    return time.perf_counter() - start
+
+
+def _chunks(views: list[memoryview]) -> list[Chunk]:
+    """Lay ``views`` end to end in one file; cut them into ``(file offset, buffer)`` pieces of <= CHUNK."""
+    out: list[Chunk] = []
+    offset = 0
+    for view in views:
+        for i in range(0, len(view), CHUNK):
+            piece = view[i : i + CHUNK]
+            out.append((offset + i, piece))
+        offset += len(view)
+    return out
+
+
+def _split(chunks: list[Chunk], parts: int) -> list[list[Chunk]]:
+    """Split ``chunks`` into ``parts`` contiguous runs of about equal bytes (one per thread)."""
+    total = sum(len(c) for _, c in chunks)
+    out: list[list[Chunk]] = [[] for _ in range(parts)]
+    done = 0
+    for chunk in chunks:
+        out[min(done * parts // max(total, 1), parts - 1)].append(chunk)
+        done += len(chunk[1])
+    return out
+
+
+def _pwrite_all(fd: int, chunks: list[Chunk]) -> None:
+    for offset, buf in chunks:
+        pos, rest = offset, buf
+        while rest:
+            n = os.pwrite(fd, rest, pos)
+            pos, rest = pos + n, rest[n:]
+
+
+def _preadv_all(fd: int, chunks: list[Chunk]) -> None:
+    for offset, buf in chunks:
+        pos, rest = offset, buf
+        while rest:
+            n = os.preadv(fd, [rest], pos)
+            if n == 0:
+                raise EOFError(f"short read at offset {pos}")
+            pos, rest = pos + n, rest[n:]
+
+
+def _run_parts(fn_parts: list[list[Chunk]], fd: int, write: bool) -> None:
+    fn = _pwrite_all if write else _preadv_all
+    if len(fn_parts) == 1:
+        fn(fd, fn_parts[0])
+        return
+    with ThreadPoolExecutor(len(fn_parts)) as pool:
+        for fut in [pool.submit(fn, fd, part) for part in fn_parts]:
+            fut.result()
+
+
+def fsync_write(path: Path, views: list[memoryview], threads: int) -> float:
+    """Write ``views`` back to back into a new file with ``threads`` writers, then fsync it and its directory.
+
+    Args:
+        path: File to create (replaced if it exists).
+        views: The bytes to write, e.g. from :func:`benchmarks._state.byte_views`.
+        threads: Number of writer threads, each taking one contiguous byte range.
+
+    Returns:
+        Elapsed seconds, from open to the directory fsync.
+    """
+    parts = _split(_chunks(views), threads)
+    path.unlink(missing_ok=True)
+    fsync_path(path.parent)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _run_parts(parts, fd, write=True)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_path(path.parent)
+    return time.perf_counter() - start
+
+
+def cold_read(path: Path, views: list[memoryview], threads: int) -> float:
+    """Evict ``path`` from the page cache, then read it into ``views`` with ``threads`` readers.
+
+    Args:
+        path: A file written by :func:`fsync_write` from buffers of the same sizes.
+        views: Preallocated, already touched destination buffers.
+        threads: Number of reader threads, each taking one contiguous byte range.
+
+    Returns:
+        Elapsed seconds of the read (the eviction is not timed).
+    """
+    parts = _split(_chunks(views), threads)
+    drop_cache(path)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _run_parts(parts, fd, write=False)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start

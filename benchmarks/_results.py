@@ -1,0 +1,79 @@
+"""What a run records: one :class:`Measurement` per case, lag rows, skips and failures."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from benchmarks._lag import LagStats
+
+
+@dataclass
+class Measurement:
+    """One timed case on one state; ``seconds`` holds one entry per repeat, the best one is reported."""
+
+    state: str
+    group: str  # "limit", "save" or "load"
+    case: str
+    nbytes: int
+    seconds: list[float] = field(default_factory=list)
+    staged: list[float] = field(default_factory=list)  # async saves: time until the call returned
+    phases: list[dict[str, float]] = field(default_factory=list)  # aiockpt saves: Metadata.timings
+    lag: LagStats | None = None
+    note: str = ""
+
+    @property
+    def best(self) -> float:
+        """Fastest repeat, in seconds (NaN when the case recorded nothing)."""
+        return min(self.seconds) if self.seconds else float("nan")
+
+    @property
+    def best_phases(self) -> dict[str, float]:
+        """Per-phase seconds of the fastest repeat (empty when the library reports none)."""
+        if len(self.phases) != len(self.seconds) or not self.phases:
+            return {}
+        return self.phases[self.seconds.index(self.best)]
+
+    @property
+    def median(self) -> float:
+        """Median of the repeats, in seconds (NaN when the case recorded nothing)."""
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+    @property
+    def gbps(self) -> float:
+        """Throughput of the fastest repeat in GB/s (10^9 bytes per second, tensor bytes only)."""
+        return self.nbytes / self.best / 1e9 if self.seconds else float("nan")
+
+    @property
+    def best_staged(self) -> float:
+        """Fastest time until an async save returned, in seconds (NaN if not an async save)."""
+        return min(self.staged) if self.staged else float("nan")
+
+
+@dataclass
+class LagRow:
+    """Loop-lag statistics of one scenario (idle, a thread doing I/O, a library call)."""
+
+    state: str
+    case: str
+    stats: LagStats
+
+
+@dataclass
+class Results:
+    """Everything one run measured, plus the context needed to read it."""
+
+    machine: dict[str, str]
+    config: dict[str, object]
+    states: dict[str, dict[str, object]] = field(default_factory=dict)
+    measurements: list[Measurement] = field(default_factory=list)
+    lags: list[LagRow] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def find(self, state: str, case: str) -> Measurement | None:
+        """The measurement of ``case`` on ``state`` that has at least one timing, if any."""
+        for m in self.measurements:
+            if m.state == state and m.case == case and m.seconds:
+                return m
+        return None
