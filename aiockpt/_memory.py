@@ -74,8 +74,9 @@ class StagingPool:
             return sum(b.numel() for b in self._free)
 
     def close(self) -> None:
-        """Drop every free buffer; buffers released later are dropped too. Blocking: freeing gigabytes
-        takes a while, so call it from a worker thread.
+        """Drop every free buffer; buffers released later are dropped too.
+
+        Blocking: freeing gigabytes takes a while, so call it from a worker thread.
         """
         with self._lock:
             self._closed = True
