@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 import anyio
 
+from ._dist import DEFAULT_TIMEOUT
 from ._format import Key
 from ._fs import absolute
 from ._handle import Metadata, SaveHandle, SaveState
@@ -17,7 +21,7 @@ from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
 from ._threads import run_sync
-from ._world import LocalWorld
+from ._world import resolve_world
 
 
 @overload
@@ -29,6 +33,8 @@ async def save(
     allow_pickle: bool = ...,
     metadata: dict[str, str | int | float | bool | None] | None = ...,
     io: IOConfig | None = ...,
+    process_group: ProcessGroup | None = ...,
+    collective_timeout: float = ...,
 ) -> Metadata: ...
 
 
@@ -41,6 +47,8 @@ async def save(
     allow_pickle: bool = ...,
     metadata: dict[str, str | int | float | bool | None] | None = ...,
     io: IOConfig | None = ...,
+    process_group: ProcessGroup | None = ...,
+    collective_timeout: float = ...,
 ) -> SaveHandle: ...
 
 
@@ -52,6 +60,8 @@ async def save(
     allow_pickle: bool = False,
     metadata: dict[str, str | int | float | bool | None] | None = None,
     io: IOConfig | None = None,
+    process_group: ProcessGroup | None = None,
+    collective_timeout: float = DEFAULT_TIMEOUT,
 ) -> Metadata | SaveHandle:
     """Save ``state`` as a new checkpoint directory ``path``.
 
@@ -64,6 +74,12 @@ async def save(
         allow_pickle: Pickle objects of other types instead of refusing them.
         metadata: Small user values stored in the manifest.
         io: I/O tuning.
+        process_group: Save collectively over this ``torch.distributed`` group (default: the default
+            group when ``torch.distributed`` is initialised, else this process alone). Every rank of it
+            must call ``save`` with the same ``path``; each writes only its own shards, replicated
+            tensors are written once.
+        collective_timeout: Seconds each checkpoint collective may take before the save fails with
+            :class:`DistributedError` (a dead or stuck rank).
 
     Returns:
         The checkpoint's :class:`Metadata`, or with ``async_op=True`` a :class:`SaveHandle`.
@@ -72,6 +88,7 @@ async def save(
         CheckpointExistsError: ``path`` exists.
         StateError: The state holds something that cannot be saved (the message names the key).
         StorageError: Writing failed; nothing was published and temp data is removed.
+        DistributedError: Another rank failed or did not answer in time (names the ranks).
     """
     req = SaveRequest(
         state=state,
@@ -83,10 +100,11 @@ async def save(
     )
     handle = SaveHandle(path=str(req.path), step=None)
     pool = StagingPool()
+    world = await resolve_world(process_group, collective_timeout)
 
     async def body(report: Callable[[SaveState], None]) -> Metadata:
         try:
-            return await run_save(req, world=LocalWorld(), pool=pool, metrics=handle.metrics, report=report)
+            return await run_save(req, world=world, pool=pool, metrics=handle.metrics, report=report)
         finally:
             with anyio.CancelScope(shield=True):
                 await run_sync(pool.close)

@@ -8,10 +8,14 @@ import re
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 import anyio
 
+from ._dist import DEFAULT_TIMEOUT
 from ._errors import (
     BusyError,
     CheckpointError,
@@ -28,7 +32,7 @@ from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
 from ._threads import run_sync
-from ._world import LocalWorld
+from ._world import LocalWorld, World, resolve_world
 
 OnBusy = Literal["wait", "skip", "error"]
 
@@ -67,9 +71,16 @@ class Checkpointer:
             ``"skip"`` itself (the handle says so), or raise :class:`BusyError` (``"error"``).
         allow_pickle: Pickle (and unpickle) objects of other types instead of refusing them.
         io: I/O tuning.
+        process_group: Save collectively over this ``torch.distributed`` group (default: the default
+            group when ``torch.distributed`` is initialised). Every rank opens a Checkpointer on the same
+            root and calls ``save`` with the same steps; rank 0 publishes, updates ``latest`` and prunes.
+            Loads need no collective: each rank reads the chunks its state needs.
+        collective_timeout: Seconds each checkpoint collective may take before the save fails with
+            :class:`DistributedError`.
 
     Raises:
-        CheckpointError: An argument is out of range.
+        CheckpointError: An argument is out of range, or ``on_busy`` is not ``"wait"`` in a distributed
+            job (each rank would decide on its own whether to skip, and the others would wait for it).
     """
 
     def __init__(
@@ -82,6 +93,8 @@ class Checkpointer:
         on_busy: OnBusy = "wait",
         allow_pickle: bool = False,
         io: IOConfig | None = None,
+        process_group: ProcessGroup | None = None,
+        collective_timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1 or None, not {keep_last}")
@@ -106,6 +119,9 @@ class Checkpointer:
         self._commit_lock: anyio.Lock | None = None
         self._opened = False
         self._closed = False
+        self._group = process_group
+        self._timeout = collective_timeout
+        self._world: World = LocalWorld()
 
     def __repr__(self) -> str:
         return f"<Checkpointer root={str(self.root)!r} steps={self._steps}>"
@@ -126,9 +142,17 @@ class Checkpointer:
         if self._opened:
             return
 
+        self._world = await resolve_world(self._group, self._timeout)
+        if self._world.size > 1 and self.on_busy != "wait":
+            raise CheckpointError(
+                f"on_busy={self.on_busy!r} needs every rank to decide alike; distributed jobs use 'wait'"
+            )
+        coordinator = self._world.rank == 0
+
         def prepare() -> list[int]:
             self.root.mkdir(parents=True, exist_ok=True)
-            collect_garbage(self.root)
+            if coordinator:  # the other ranks would race it
+                collect_garbage(self.root)
             return _scan(self.root)
 
         self._steps = await run_sync(prepare)
@@ -202,7 +226,9 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
         path = self.path_of(step)
-        if step in self._steps or step in self._inflight:
+        # Distributed: rank 0 checks the target inside the save's collective protocol, so that every
+        # rank takes the same decision; here only a step in flight on this rank is refused early.
+        if (self._world.size == 1 and step in self._steps) or step in self._inflight:
             raise CheckpointExistsError(f"step {step} already exists (or is being saved) at {path}")
         assert self._slots is not None
         if self._slots.value == 0 and self.on_busy != "wait":
@@ -228,7 +254,7 @@ class Checkpointer:
         async def body(report: Callable[[SaveState], None]) -> Metadata:
             try:
                 meta = await run_save(
-                    req, world=LocalWorld(), pool=self._pool, metrics=handle.metrics, report=report
+                    req, world=self._world, pool=self._pool, metrics=handle.metrics, report=report
                 )
                 with anyio.CancelScope(shield=True):  # committed: the bookkeeping must follow
                     await self._after_commit(step)
@@ -260,6 +286,9 @@ class Checkpointer:
     async def _publish_and_prune(self) -> None:
         steps = list(self._steps)
         doomed = self._doomed(steps)
+        if self._world.rank != 0:  # rank 0 publishes and prunes; the others only follow in their index
+            self._steps = [s for s in self._steps if s not in doomed]
+            return
 
         def publish() -> None:
             replace_durable(self.root / LATEST, (step_dir_name(steps[-1]) + "\n").encode())

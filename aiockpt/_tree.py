@@ -7,6 +7,7 @@ event loop. Pure apart from those calls.
 from __future__ import annotations
 
 import pickle
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
@@ -131,18 +132,64 @@ def check_tensor(tensor: torch.Tensor, path: KeyPath) -> None:
 
 
 @dataclass
+@dataclass(frozen=True)
+class Box:
+    """Where a local tensor sits in its global tensor (a DTensor shard).
+
+    Attributes:
+        shape: The global shape.
+        offsets: The local shard's offset in each dimension.
+        replicated: Whether every rank of the mesh holds this very box (all placements ``Replicate``).
+    """
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    replicated: bool
+
+
+@dataclass
 class Flattened:
     """A state split into its structure and its tensors.
 
     Attributes:
         tree: The structure, with tensors replaced by indices into ``tensors``.
-        tensors: Unique tensors in first-seen order (tied tensors appear once).
+        tensors: Unique local tensors in first-seen order (tied tensors appear once; a DTensor appears as
+            its local shard).
         paths: The key path of the first occurrence of each tensor.
+        boxes: For each tensor, where it sits in its global tensor (``None``: it is the whole tensor).
     """
 
     tree: DictNode
     tensors: list[torch.Tensor] = field(default_factory=list)
     paths: list[KeyPath] = field(default_factory=list)
+    boxes: list[Box | None] = field(default_factory=list)
+
+
+def dtensor_type() -> type[torch.Tensor] | None:
+    """``DTensor``, if ``torch.distributed.tensor`` was imported (if not, no tensor can be one)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def shard_of(t: torch.Tensor, path: KeyPath) -> tuple[torch.Tensor, Box]:
+    """The local tensor of a DTensor and its box in the global tensor.
+
+    Raises:
+        StateError: The DTensor has a ``Partial`` placement (a pending reduction), naming the key.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = t.placements  # type: ignore[attr-defined]
+    if any(p.is_partial() for p in placements):
+        raise StateError(
+            f"cannot save DTensor at key {render(path)!r}: its placements {placements} include a pending "
+            "reduction (Partial); redistribute it to Shard or Replicate first",
+            key=render(path),
+        )
+    local = t.to_local()  # type: ignore[attr-defined]
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)  # type: ignore[attr-defined]
+    replicated = all(p.is_replicate() for p in placements)
+    return local, Box(shape=tuple(t.shape), offsets=tuple(offsets), replicated=replicated)
 
 
 def _tie_key(t: torch.Tensor) -> tuple[object, ...]:
@@ -157,6 +204,8 @@ class _Flattener:
         self.allow_pickle = allow_pickle
         self.tensors: list[torch.Tensor] = []
         self.paths: list[KeyPath] = []
+        self.boxes: list[Box | None] = []
+        self.dtensor = dtensor_type()
         self.seen: dict[tuple[object, ...], int] = {}
         self.active: set[int] = set()  # ids of containers on the current path, to refuse cycles
 
@@ -213,6 +262,10 @@ class _Flattener:
         return DictNode(keys=tuple(keys), values=tuple(values), origin=origin)
 
     def tensor(self, t: torch.Tensor, path: KeyPath) -> TensorNode:
+        box = None
+        dtensor = self.dtensor
+        if dtensor is not None and isinstance(t, dtensor):
+            t, box = shard_of(t, path)
         check_tensor(t, path)
         tie = _tie_key(t) if t.numel() > 0 else None
         if tie is not None and tie in self.seen:
@@ -220,6 +273,7 @@ class _Flattener:
         index = len(self.tensors)
         self.tensors.append(t)
         self.paths.append(path)
+        self.boxes.append(box)
         if tie is not None:
             self.seen[tie] = index
         return TensorNode(index=index)
@@ -256,4 +310,4 @@ def flatten(state: Mapping[str, object], *, allow_pickle: bool) -> Flattened:
         raise StateError(f"the state must be a mapping with str keys, not {type_name(state)}")
     f = _Flattener(allow_pickle)
     tree = f.mapping(cast("Mapping[object, object]", state), (), origin=None)
-    return Flattened(tree=tree, tensors=f.tensors, paths=f.paths)
+    return Flattened(tree=tree, tensors=f.tensors, paths=f.paths, boxes=f.boxes)

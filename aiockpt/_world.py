@@ -8,7 +8,10 @@ private gloo group of a ``torch.distributed`` job.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class World(Protocol):
@@ -35,6 +38,19 @@ class World(Protocol):
             DistributedError: The collective failed or timed out.
         """
         ...
+
+
+async def resolve_world(group: ProcessGroup | None, timeout: float) -> World:
+    """The checkpoint world of ``group``.
+
+    Its private gloo group when ``torch.distributed`` is in use (created on first use, a collective call,
+    in a worker thread), else this process alone.
+    """
+    from ._dist import world_for
+    from ._threads import run_sync
+
+    world = await run_sync(lambda: world_for(group, timeout=timeout))
+    return LocalWorld() if world is None else world
 
 
 class LocalWorld:

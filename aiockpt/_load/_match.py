@@ -35,7 +35,7 @@ from .._format import (
     ValueNode,
 )
 from .._gc import paused
-from .._tree import dtype_from_name, is_stateful, render
+from .._tree import dtensor_type, dtype_from_name, dtype_name, is_stateful, render, shard_of
 
 
 class _Missing:
@@ -48,12 +48,17 @@ MISSING = _Missing()
 
 @dataclass
 class Destination:
-    """Where tensor ``index`` of the manifest goes: ``tensor`` (in place) and any further tied targets."""
+    """Where tensor ``index`` of the manifest goes: ``tensor`` (in place) and any further tied targets.
+
+    ``offsets`` places ``tensor`` in the global tensor when it is a shard (a DTensor's local tensor);
+    ``None`` means it is the whole tensor.
+    """
 
     index: int
     tensor: torch.Tensor
     fresh: bool
     also: list[torch.Tensor] = field(default_factory=list)
+    offsets: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -93,6 +98,7 @@ class _Matcher:
         # Containers of the user's own state are updated in place (others may hold references to them);
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
         self.inside_stateful = 0
+        self.params: dict[KeyPath, torch.Tensor] = {}
 
     def diff(self, line: str) -> None:
         self.plan.differences.append(line)
@@ -125,6 +131,8 @@ class _Matcher:
             self.diff(f"{render(path)}: the target is a {type(obj).__name__}, the checkpoint a {_kind(node)}")
             return obj
         template = obj.state_dict()  # type: ignore[attr-defined]
+        if isinstance(obj, torch.optim.Optimizer):
+            self.note_params(obj, template, path)
         # A module's state dict lists every entry it has; other Statefuls may grow entries lazily.
         complete = isinstance(obj, torch.nn.Module)
         self.inside_stateful += 1
@@ -133,10 +141,26 @@ class _Matcher:
         finally:
             self.inside_stateful -= 1
         if isinstance(obj, torch.nn.Module):
-            # Tensors read in place already are the module's own memory: hand over only the rest.
-            sd = {k: v for k, v in sd.items() if not (isinstance(v, torch.Tensor) and v is template.get(k))}
+            # Tensors read in place into the module's own memory need no second copy: hand over the rest.
+            own = _storages(obj)
+            sd = {k: v for k, v in sd.items() if not (v is template.get(k) and _storage(v) in own)}
         self.plan.statefuls.append((obj, sd, path))
         return obj
+
+    def note_params(self, opt: torch.optim.Optimizer, sd: Mapping[str, object], path: KeyPath) -> None:
+        """Remember which parameter each optimizer-state id stands for.
+
+        State the optimizer has not created yet is then created like its parameter (a DTensor shard for a
+        DTensor parameter), as the optimizer itself would.
+        """
+        groups = sd.get("param_groups")
+        if not isinstance(groups, list):
+            return
+        for group, live in zip(groups, opt.param_groups, strict=False):
+            ids = group.get("params", []) if isinstance(group, Mapping) else []
+            for pid, param in zip(ids, live["params"], strict=False):
+                key: KeyPath = (*path, "state", cast("Key", pid))
+                self.params[key] = param
 
     def mapping(
         self, node: DictNode, tmpl: Mapping[object, object] | _Missing, path: KeyPath, *, create: bool
@@ -186,6 +210,17 @@ class _Matcher:
     def tensor(self, node: TensorNode, tmpl: object, path: KeyPath) -> object:
         entry = self.m.tensors[node.index]
         dest = self.plan.destinations.get(node.index)
+        dtensor = dtensor_type()
+        if dtensor is not None and isinstance(tmpl, dtensor):
+            local, box = shard_of(tmpl, path)
+            if dtype_name(local.dtype) != entry.dtype or box.shape != entry.shape:
+                self.diff(f"{render(path)}: the target is a DTensor {dtype_name(local.dtype)}"
+                          f"{list(box.shape)}, the checkpoint {_entry_desc(entry)}")  # fmt: skip
+            elif dest is None:
+                self.plan.destinations[node.index] = Destination(
+                    node.index, local, False, offsets=box.offsets
+                )
+            return tmpl
         if isinstance(tmpl, torch.Tensor):
             dtype = str(tmpl.dtype).removeprefix("torch.")
             if dtype != entry.dtype or tuple(tmpl.shape) != entry.shape:
@@ -207,10 +242,29 @@ class _Matcher:
             except ValueError:
                 self.diff(f"{render(path)}: dtype {entry.dtype} is unknown to this torch")
                 return None
+            param = self.params.get(path[:-1])
+            if dtensor is not None and isinstance(param, dtensor) and tuple(param.shape) == entry.shape:
+                return self.shard_like(node.index, param, dtype_)
             dest = self.plan.destinations[node.index] = Destination(
                 node.index, torch.empty(entry.shape, dtype=dtype_), fresh=True
             )
         return dest.tensor
+
+    def shard_like(self, index: int, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A new DTensor laid out like ``param``, as the destination of tensor ``index``."""
+        from torch.distributed.tensor import DTensor
+
+        local_like, box = shard_of(param, ())
+        local = torch.empty(local_like.shape, dtype=dtype, device=local_like.device)
+        self.plan.destinations[index] = Destination(index, local, fresh=True, offsets=box.offsets)
+        return DTensor.from_local(
+            local,
+            param.device_mesh,  # type: ignore[attr-defined]
+            param.placements,  # type: ignore[attr-defined]
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
 
     def unpickle(self, node: PickleNode, path: KeyPath) -> object:
         if not self.allow_pickle:
@@ -223,6 +277,23 @@ class _Matcher:
             return pickle.loads(node.data)
         except Exception as exc:
             raise StateError(f"cannot unpickle {node.type_name} at key {render(path)!r}: {exc}") from exc
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    dtensor = dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t  # type: ignore[attr-defined]
+
+
+def _storage(obj: object) -> int | None:
+    if not isinstance(obj, torch.Tensor):
+        return None
+    local = _local(obj)
+    return local.untyped_storage().data_ptr() if local.device.type != "meta" else None
+
+
+def _storages(module: torch.nn.Module) -> set[int | None]:
+    """Storages of the module's parameters and buffers."""
+    return {_storage(t) for t in (*module.parameters(), *module.buffers())} - {None, 0}
 
 
 def _kind(node: Node) -> str:

@@ -41,33 +41,62 @@ def _direct(dest: torch.Tensor) -> bool:
     return dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
 
 
-def _full(chunk: Chunk, shape: tuple[int, ...]) -> bool:
-    return chunk.sizes == shape and not any(chunk.offsets)
+def _overlap(
+    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]
+) -> list[tuple[int, int]] | None:
+    """The intersection of two boxes as ``(start, stop)`` per dimension, or ``None`` if empty."""
+    out = []
+    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size, strict=True):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        out.append((lo, hi))
+    return out
 
 
 def prepare(
     manifest: Manifest, destinations: dict[int, Destination]
 ) -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor]]:
-    """Plan the reads of every destination; return the reads, the copies to run after them, and buffers."""
+    """Plan the reads of every destination; return the reads, the copies to run after them, and buffers.
+
+    A chunk goes straight into destination memory when it is exactly the destination's box, or a run of
+    whole leading-dimension rows of it (the layout of ``Shard(0)``); any other overlap is read whole into
+    a host buffer, verified, and its intersection copied into place.
+    """
     reads: list[_Read] = []
     copies: list[Callable[[], None]] = []
     keep: list[torch.Tensor] = []
     for index, dest in destinations.items():
         entry = manifest.tensors[index]
         target = dest.tensor
+        d_size = tuple(target.shape)
+        d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
         if not _direct(target):
-            staging = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+            staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype))
             keep.append(staging)
             copies.append(lambda t=target, s=staging: t.copy_(s))  # type: ignore[misc]
             target = staging
         for chunk in entry.chunks:
-            if _full(chunk, entry.shape):
+            if chunk.offsets == d_off and chunk.sizes == d_size:
                 reads.append(_Read(index, chunk, byte_view(target)))
+                continue
+            inter = _overlap(chunk.offsets, chunk.sizes, d_off, d_size)
+            if inter is None:
+                continue
+            if (
+                d_size
+                and chunk.offsets[1:] == d_off[1:]
+                and chunk.sizes[1:] == d_size[1:]
+                and (inter[0] == (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]))
+            ):
+                start = chunk.offsets[0] - d_off[0]
+                reads.append(_Read(index, chunk, byte_view(target[start : start + chunk.sizes[0]])))
                 continue
             buf = torch.empty(chunk.sizes, dtype=target.dtype)
             keep.append(buf)
-            box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
-            copies.insert(0, lambda t=target, b=buf, box=box: t[box].copy_(b))  # type: ignore[misc]
+            src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, chunk.offsets, strict=True))
+            dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
+            copies.insert(0, lambda t=target, b=buf, s=src, d=dst: t[d].copy_(b[s]))  # type: ignore[misc]
             reads.append(_Read(index, chunk, byte_view(buf)))
         copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
     return reads, copies, keep

@@ -33,21 +33,25 @@ class LocalPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 def local_plan(rank: int, flat: Flattened) -> LocalPlan:
-    """Plan the writes of ``rank`` for a flattened state: one whole-tensor, replicated chunk per tensor."""
+    """Plan the writes of ``rank``: one chunk per tensor, the whole tensor or its DTensor shard."""
     zeros = [(0,) * n for n in range(8)]
     items = []
-    for path, t in zip(flat.paths, flat.tensors, strict=True):
-        shape = tuple(t.shape)
-        nd = len(shape)
+    for path, t, box in zip(flat.paths, flat.tensors, flat.boxes, strict=True):
+        sizes = tuple(t.shape)
+        if box is None:  # a plain tensor: the whole of it, identical wherever it is held
+            nd = len(sizes)
+            shape, offsets, replicated = sizes, zeros[nd] if nd < 8 else (0,) * nd, True
+        else:
+            shape, offsets, replicated = box.shape, box.offsets, box.replicated
         items.append(
             WriteItem(
                 path=path,
                 dtype=dtype_name(t.dtype),
                 shape=shape,
-                offsets=zeros[nd] if nd < 8 else (0,) * nd,
-                sizes=shape,
+                offsets=offsets,
+                sizes=sizes,
                 nbytes=nbytes_of(t),
-                replicated=True,
+                replicated=replicated,
             )
         )
     return LocalPlan(rank=rank, items=tuple(items))

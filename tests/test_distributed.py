@@ -1,0 +1,229 @@
+"""Distributed saves and loads on real ``torch.distributed`` ranks (gloo on 127.0.0.1, spawned processes).
+
+Every test here spawns its worlds with ``distributed_util.run_world``; no collective is mocked. Faults are
+injected inside a rank (a write that raises, a process that kills itself) and the other ranks must see a
+``DistributedError`` within the collective timeout, with nothing published.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import aiockpt
+from distributed_util import run_world
+
+pytestmark = pytest.mark.dist
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # Row counts that no world size of 2-4 divides evenly: uneven shards everywhere.
+    return torch.nn.Sequential(torch.nn.Linear(8, 18), torch.nn.ReLU(), torch.nn.Linear(18, 7))
+
+
+def _fsdp(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _full(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Full tensors of a model or optimizer state (collective for DTensors)."""
+    out = {}
+    for key, value in sd.items():
+        if isinstance(value, dict):
+            out.update({f"{key}/{k}": v for k, v in _full(value).items()})
+        elif isinstance(value, torch.Tensor):
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            out[key] = full.detach().clone()
+    return out
+
+
+async def _save_sharded(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    model, opt = _fsdp(world)
+    torch.manual_seed(1)
+    for _ in range(2):
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    meta = await aiockpt.save({"model": model, "optim": opt, "world": world}, path)
+    assert meta.world_size == world
+    return {**_full(model.state_dict()), **_full(opt.state_dict()["state"])}
+
+
+async def _load_sharded(rank: int, world: int, paths: list[str]) -> list[dict[str, torch.Tensor]]:
+    results = []
+    for path in paths:
+        model, opt = _fsdp(world)  # fresh: the optimizer has never stepped and holds no state
+        state: dict[str, object] = {"model": model, "optim": opt, "world": 0}
+        await aiockpt.load(state, path)
+        assert state["world"] != 0
+        results.append({**_full(model.state_dict()), **_full(opt.state_dict()["state"])})
+        # The loaded optimizer state is sharded like the parameters, so training goes on.
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+    return results
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{what}: {key}"
+
+
+def test_save_with_n_load_with_m(tmp_path: Path) -> None:
+    sizes = [1, 2, 3, 4]
+    paths = [str(tmp_path / f"ckpt-{n}") for n in sizes]
+    reference = {}
+    for n, path in zip(sizes, paths, strict=True):
+        ranks = run_world(_save_sharded, n, tmp_path, path)
+        reference[n] = ranks[0]
+        for other in ranks[1:]:
+            _assert_same(other, ranks[0], f"ranks of world {n} disagree")
+    for m in sizes:
+        loaded = run_world(_load_sharded, m, tmp_path, paths)
+        for rank_result in loaded:
+            for n, got in zip(sizes, rank_result, strict=True):
+                _assert_same(got, reference[n], f"saved with {n} ranks, loaded with {m}")
+
+
+async def test_read_of_a_sharded_checkpoint_gives_full_tensors(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    (ref, *_) = run_world(_save_sharded, 3, tmp_path, path)
+    tree = await aiockpt.read(path)
+    model = tree["model"]
+    assert isinstance(model, dict)
+    for key, value in model.items():
+        assert torch.equal(value, ref[key]), key
+    # Plain loads into a single process work too, without torch.distributed.
+    single = _model()
+    with pytest.warns(aiockpt.StateMismatchWarning, match="optim/state"):
+        await aiockpt.load({"model": single, "optim": {}, "world": 0}, path, strict=False)
+    for key, value in single.state_dict().items():
+        assert torch.equal(value, ref[key]), key
+
+
+async def _save_2d(rank: int, world: int, path: str) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    base = torch.arange(6 * 10, dtype=torch.float32).reshape(6, 10)
+    state = {
+        "both": distribute_tensor(base, mesh, [Shard(0), Shard(1)]),
+        "rows": distribute_tensor(base * 2, mesh, [Shard(0), Replicate()]),
+        "repl": distribute_tensor(base * 3, mesh, [Replicate(), Replicate()]),
+        "plain": base * 4,  # a plain tensor on every rank: replicated, written once
+    }
+    meta = await aiockpt.save(state, path)
+    return meta.nbytes
+
+
+async def _load_2d_into_1d(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    zeros = torch.zeros(6, 10)
+    state: dict[str, object] = {
+        "both": distribute_tensor(zeros, mesh, [Shard(1)]),
+        "rows": distribute_tensor(zeros, mesh, [Shard(0)]),
+        "repl": distribute_tensor(zeros, mesh, [Shard(1)]),
+        "plain": torch.zeros(6, 10),
+    }
+    await aiockpt.load(state, path)
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    for key, factor in (("both", 1), ("rows", 2), ("repl", 3)):
+        full = state[key].full_tensor()  # type: ignore[attr-defined]
+        assert torch.equal(full, base * factor), key
+    assert torch.equal(state["plain"], base * 4)  # type: ignore[arg-type]
+
+
+def test_2d_mesh_writes_unique_bytes_once_and_reshards(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    nbytes = run_world(_save_2d, 4, tmp_path, path)
+    unique = 4 * 6 * 10 * 4
+    assert nbytes == [unique] * 4
+    on_disk = sum(f.stat().st_size for f in Path(path).glob("data-*.bin"))
+    assert unique <= on_disk < unique + 4 * 4096  # alignment padding only
+    run_world(_load_2d_into_1d, 2, tmp_path, path)
+
+
+async def _fail_in_write(rank: int, world: int, path: str, how: str) -> str:
+    import aiockpt._save as save_pipeline
+
+    real_write = save_pipeline.write
+
+    async def faulty(*args: Any, **kwargs: Any) -> Any:
+        if rank == 1:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise aiockpt.StorageError("injected: the disk of rank 1 failed")
+        return await real_write(*args, **kwargs)
+
+    save_pipeline.write = faulty  # type: ignore[assignment]
+    state = {"w": torch.full((1000,), float(rank)), "shared": torch.ones(10)}
+    try:
+        await aiockpt.save(state, path, collective_timeout=15)
+    except aiockpt.DistributedError as exc:
+        return f"DistributedError ranks={list(exc.ranks)}: {exc}"
+    except aiockpt.StorageError as exc:
+        return f"StorageError: {exc}"
+    return "saved"
+
+
+def _no_trace(parent: Path) -> None:
+    assert not (parent / "ckpt").exists()
+    assert [p.name for p in parent.iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_a_rank_that_raises_mid_write_aborts_every_rank(tmp_path: Path) -> None:
+    parent = tmp_path / "out"
+    results = run_world(_fail_in_write, 2, tmp_path, str(parent / "ckpt"), "raise")
+    assert results[1].startswith("StorageError: injected")
+    assert results[0].startswith("DistributedError ranks=[1]")
+    assert "injected" in results[0]
+    _no_trace(parent)
+
+
+def test_a_rank_killed_mid_save_gives_an_error_not_a_hang(tmp_path: Path) -> None:
+    parent = tmp_path / "out"
+    results = run_world(_fail_in_write, 2, tmp_path, str(parent / "ckpt"), "kill", expect_failure={1})
+    assert results[1] is None
+    assert results[0].startswith("DistributedError"), results[0]
+    _no_trace(parent)
+
+
+async def _checkpointer_run(rank: int, world: int, root: str) -> tuple[list[int], int | None]:
+    model, opt = _fsdp(world)
+    state = {"model": model, "optim": opt}
+    async with aiockpt.Checkpointer(root, keep_last=2) as ckpt:
+        for step in (10, 20, 30):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            handle = await ckpt.save(state, step=step, async_op=True)
+            await handle
+        expected = _full(model.state_dict())
+        fresh_model, fresh_opt = _fsdp(world)
+        loaded = await ckpt.load({"model": fresh_model, "optim": fresh_opt})
+        _assert_same(_full(fresh_model.state_dict()), expected, f"rank {rank}")
+        dist.barrier()
+        return ckpt.steps(), loaded
+
+
+def test_checkpointer_across_ranks(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    results = run_world(_checkpointer_run, 2, tmp_path, str(root))
+    assert results == [([20, 30], 30), ([20, 30], 30)]
+    assert (root / "latest").read_text().strip() == "step-00000030"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000020", "step-00000030"]
