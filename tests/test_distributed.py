@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import aiockpt
+
 from distributed_util import run_world
 
 pytestmark = pytest.mark.dist
@@ -162,7 +163,7 @@ def test_2d_mesh_writes_unique_bytes_once_and_reshards(tmp_path: Path) -> None:
 async def _fail_in_write(rank: int, world: int, path: str, how: str) -> str:
     import aiockpt._save as save_pipeline
 
-    real_write = save_pipeline.write
+    real_write = vars(save_pipeline)["write"]
 
     async def faulty(*args: Any, **kwargs: Any) -> Any:
         if rank == 1:
@@ -171,7 +172,7 @@ async def _fail_in_write(rank: int, world: int, path: str, how: str) -> str:
             raise aiockpt.StorageError("injected: the disk of rank 1 failed")
         return await real_write(*args, **kwargs)
 
-    save_pipeline.write = faulty  # type: ignore[assignment]
+    vars(save_pipeline)["write"] = faulty  # fault injection inside this rank's process only
     state = {"w": torch.full((1000,), float(rank)), "shared": torch.ones(10)}
     try:
         await aiockpt.save(state, path, collective_timeout=15)
