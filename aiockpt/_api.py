@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 import anyio
 
 from ._dist import DEFAULT_TIMEOUT
-from ._format import Key
+from ._format import Key, part_dir_name
 from ._fs import absolute
 from ._handle import Metadata, SaveHandle, SaveState
 from ._load import run_load, run_read
@@ -21,7 +21,7 @@ from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
 from ._threads import run_sync
-from ._world import resolve_world
+from ._world import LocalWorld, part_of, resolve_world
 
 
 @overload
@@ -35,6 +35,7 @@ async def save(
     io: IOConfig | None = ...,
     process_group: ProcessGroup | None = ...,
     collective_timeout: float = ...,
+    use_collectives: bool = ...,
 ) -> Metadata: ...
 
 
@@ -49,6 +50,7 @@ async def save(
     io: IOConfig | None = ...,
     process_group: ProcessGroup | None = ...,
     collective_timeout: float = ...,
+    use_collectives: bool = ...,
 ) -> SaveHandle: ...
 
 
@@ -62,6 +64,7 @@ async def save(
     io: IOConfig | None = None,
     process_group: ProcessGroup | None = None,
     collective_timeout: float = DEFAULT_TIMEOUT,
+    use_collectives: bool = True,
 ) -> Metadata | SaveHandle:
     """Save ``state`` as a new checkpoint directory ``path``.
 
@@ -80,6 +83,9 @@ async def save(
             tensors are written once.
         collective_timeout: Seconds each checkpoint collective may take before the save fails with
             :class:`DistributedError` (a dead or stuck rank).
+        use_collectives: With ``False`` in a distributed job, each rank saves alone, without any
+            collective: it publishes its own part (``path/rank-RRRRR-of-NNNNN``), replicated tensors are
+            written by every rank, and the checkpoint counts as committed once every part is there.
 
     Returns:
         The checkpoint's :class:`Metadata`, or with ``async_op=True`` a :class:`SaveHandle`.
@@ -90,9 +96,14 @@ async def save(
         StorageError: Writing failed; nothing was published and temp data is removed.
         DistributedError: Another rank failed or did not answer in time (names the ranks).
     """
+    target = absolute(path)
+    part = part_of(process_group) if not use_collectives else None
+    if part is not None:
+        target = target / part_dir_name(*part)
     req = SaveRequest(
         state=state,
-        path=absolute(path),
+        path=target,
+        part=part,
         copy=async_op,
         allow_pickle=allow_pickle,
         user_metadata=dict(metadata or {}),
@@ -100,7 +111,7 @@ async def save(
     )
     handle = SaveHandle(path=str(req.path), step=None)
     pool = StagingPool()
-    world = await resolve_world(process_group, collective_timeout)
+    world = LocalWorld() if not use_collectives else await resolve_world(process_group, collective_timeout)
 
     async def body(report: Callable[[SaveState], None]) -> Metadata:
         try:

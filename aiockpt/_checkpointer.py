@@ -23,7 +23,7 @@ from ._errors import (
     CheckpointNotFoundError,
     SaveSkippedError,
 )
-from ._format import Key
+from ._format import Key, part_dir_name
 from ._fs import TMP_PREFIX, absolute, collect_garbage, fsync_dir, remove_tree, replace_durable
 from ._handle import Metadata, SaveHandle, SaveState
 from ._load import is_checkpoint, run_load, run_read
@@ -32,7 +32,7 @@ from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
 from ._threads import run_sync
-from ._world import LocalWorld, World, resolve_world
+from ._world import LocalWorld, World, part_of, resolve_world
 
 OnBusy = Literal["wait", "skip", "error"]
 
@@ -77,6 +77,9 @@ class Checkpointer:
             Loads need no collective: each rank reads the chunks its state needs.
         collective_timeout: Seconds each checkpoint collective may take before the save fails with
             :class:`DistributedError`.
+        use_collectives: With ``False`` in a distributed job, every rank saves its own part of each step
+            without any collective (see :func:`aiockpt.save`); a step counts as committed once all parts
+            are published, and the rank that completes it updates ``latest`` and prunes.
 
     Raises:
         CheckpointError: An argument is out of range, or ``on_busy`` is not ``"wait"`` in a distributed
@@ -95,6 +98,7 @@ class Checkpointer:
         io: IOConfig | None = None,
         process_group: ProcessGroup | None = None,
         collective_timeout: float = DEFAULT_TIMEOUT,
+        use_collectives: bool = True,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1 or None, not {keep_last}")
@@ -122,6 +126,8 @@ class Checkpointer:
         self._group = process_group
         self._timeout = collective_timeout
         self._world: World = LocalWorld()
+        self._use_collectives = use_collectives
+        self._part: tuple[int, int] | None = None
 
     def __repr__(self) -> str:
         return f"<Checkpointer root={str(self.root)!r} steps={self._steps}>"
@@ -142,7 +148,10 @@ class Checkpointer:
         if self._opened:
             return
 
-        self._world = await resolve_world(self._group, self._timeout)
+        if self._use_collectives:
+            self._world = await resolve_world(self._group, self._timeout)
+        else:
+            self._part = part_of(self._group)
         if self._world.size > 1 and self.on_busy != "wait":
             raise CheckpointError(
                 f"on_busy={self.on_busy!r} needs every rank to decide alike; distributed jobs use 'wait'"
@@ -243,7 +252,8 @@ class Checkpointer:
         self._inflight[step] = handle
         req = SaveRequest(
             state=state,
-            path=path,
+            path=path if self._part is None else path / part_dir_name(*self._part),
+            part=self._part,
             step=step,
             copy=async_op,
             allow_pickle=self.allow_pickle,
@@ -276,6 +286,8 @@ class Checkpointer:
         return await handle
 
     async def _after_commit(self, step: int) -> None:
+        if self._part is not None and not await run_sync(lambda: is_checkpoint(self.path_of(step))):
+            return  # collective-free: the rank that publishes the last part completes the step
         self._steps = sorted({*self._steps, step})
         # Saves may commit concurrently (max_inflight > 1): one at a time updates `latest` and prunes,
         # each from the index as it is when its turn comes.

@@ -12,6 +12,8 @@ working, and a change that old readers would misread bumps :data:`FORMAT_VERSION
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 FORMAT_VERSION = 1
@@ -25,6 +27,14 @@ KeyPath = tuple[Key, ...]
 def data_file_name(rank: int) -> str:
     """Return the name of the data file written by ``rank``."""
     return f"data-r{rank:05d}.bin"
+
+
+PART_RE = re.compile(r"rank-(\d{5,})-of-(\d{5,})")
+
+
+def part_dir_name(rank: int, world_size: int) -> str:
+    """The sub-directory where ``rank`` publishes its part of a collective-free checkpoint."""
+    return f"rank-{rank:05d}-of-{world_size:05d}"
 
 
 # Every struct here is immutable and holds only atoms, tuples and other such structs, so none can be part
@@ -131,6 +141,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tensors: tuple[TensorEntry, ...]
     files: tuple[FileInfo, ...]
     user_metadata: dict[str, str | int | float | bool | None] = {}
+    # Collective-free saves: the rank that wrote this part (``world_size`` is then the number of parts).
+    part_rank: int | None = None
 
 
 class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):

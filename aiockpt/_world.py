@@ -53,6 +53,15 @@ async def resolve_world(group: ProcessGroup | None, timeout: float) -> World:
     return LocalWorld() if world is None else world
 
 
+def part_of(group: ProcessGroup | None) -> tuple[int, int] | None:
+    """``(rank, world size)`` of this process for a collective-free save, or ``None`` outside a job."""
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 class LocalWorld:
     """A world of one process: the collective returns at once."""
 

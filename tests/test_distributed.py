@@ -228,3 +228,60 @@ def test_checkpointer_across_ranks(tmp_path: Path) -> None:
     assert results == [([20, 30], 30), ([20, 30], 30)]
     assert (root / "latest").read_text().strip() == "step-00000030"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000020", "step-00000030"]
+
+
+async def _save_collective_free(rank: int, world: int, path: str, skip_rank: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {
+        "sharded": distribute_tensor(torch.arange(50.0).reshape(10, 5), mesh, [Shard(0)]),
+        "replicated": torch.full((4,), 7.0),
+        "rank": rank,
+    }
+    if rank != skip_rank:
+        meta = await aiockpt.save(state, path, use_collectives=False)
+        assert meta.world_size == world
+    return sorted(p.name for p in Path(path).iterdir()) if Path(path).exists() else []
+
+
+async def test_collective_free_saves_merge_on_load(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    listing = run_world(_save_collective_free, 2, tmp_path, str(path), -1)
+    assert sorted(p.name for p in path.iterdir()) == ["rank-00000-of-00002", "rank-00001-of-00002"]
+    assert all(set(names) <= {"rank-00000-of-00002", "rank-00001-of-00002"} for names in listing)
+    tree = await aiockpt.read(path)
+    assert torch.equal(tree["sharded"], torch.arange(50.0).reshape(10, 5))  # type: ignore[arg-type]
+    assert torch.equal(tree["replicated"], torch.full((4,), 7.0))  # type: ignore[arg-type]
+    assert tree["rank"] == 0  # the structure and plain values are rank 0's
+
+
+async def test_collective_free_checkpoint_with_a_missing_part_is_incomplete(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    run_world(_save_collective_free, 3, tmp_path, str(path), 1)
+    with pytest.raises(aiockpt.CheckpointNotFoundError, match=r"ranks \[1\] \(of 3\)"):
+        await aiockpt.read(path)
+
+
+async def _checkpointer_collective_free(rank: int, world: int, root: str) -> list[int]:
+    state = {"w": torch.full((8,), float(rank)), "step": 0}
+    async with aiockpt.Checkpointer(root, keep_last=1, use_collectives=False) as ckpt:
+        for step in (1, 2):
+            state["step"] = step
+            await ckpt.save(state, step=step)
+        dist.barrier()  # every part of step 2 is published
+        target: dict[str, object] = {"w": torch.zeros(8), "step": 0}
+        assert await ckpt.load(target) == 2
+        assert target["step"] == 2
+        return await ckpt.refresh()
+
+
+def test_checkpointer_without_collectives(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    assert run_world(_checkpointer_collective_free, 2, tmp_path, str(root)) == [[2], [2]]
+    assert (root / "latest").read_text().strip() == "step-00000002"
+    assert sorted(p.name for p in (root / "step-00000002").iterdir()) == [
+        "rank-00000-of-00002",
+        "rank-00001-of-00002",
+    ]

@@ -9,11 +9,22 @@ import crc32c
 import msgspec
 
 from .._errors import CheckpointNotFoundError, CorruptionError, FormatError
-from .._format import ENVELOPE_DECODER, FORMAT_VERSION, MAGIC, MANIFEST_DECODER, MANIFEST_NAME, Manifest
+from .._format import (
+    ENVELOPE_DECODER,
+    FORMAT_VERSION,
+    MAGIC,
+    MANIFEST_DECODER,
+    MANIFEST_NAME,
+    PART_RE,
+    Chunk,
+    KeyPath,
+    Manifest,
+    TensorEntry,
+)
 from .._gc import paused
 
 
-def read_manifest(path: Path) -> Manifest:
+def _read_one(path: Path) -> Manifest:
     """Read, verify and decode ``path / manifest.msgpack``. Blocking.
 
     Raises:
@@ -65,6 +76,91 @@ def read_manifest(path: Path) -> Manifest:
     return manifest
 
 
+def _parts(path: Path) -> tuple[int, list[Path]] | None:
+    """The published parts of a collective-free checkpoint: ``(world size, part dirs)``, or ``None``."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    found: dict[int, Path] = {}
+    world = 0
+    for name in names:
+        m = PART_RE.fullmatch(name)
+        if m and os.path.isfile(path / name / MANIFEST_NAME):
+            found[int(m.group(1))] = path / name
+            world = max(world, int(m.group(2)))
+    if not found:
+        return None
+    return world, [found[r] for r in sorted(found)]
+
+
 def is_checkpoint(path: Path) -> bool:
-    """Whether ``path`` holds a manifest (cheap; does not verify it). Blocking."""
-    return os.path.isfile(path / MANIFEST_NAME)
+    """Whether ``path`` holds a committed checkpoint (cheap; verifies nothing). Blocking.
+
+    A collective-free checkpoint is committed once every rank has published its part.
+    """
+    if os.path.isfile(path / MANIFEST_NAME):
+        return True
+    parts = _parts(path)
+    return parts is not None and len(parts[1]) == parts[0]
+
+
+def read_manifest(path: Path) -> Manifest:
+    """Read, verify and decode the manifest of the checkpoint at ``path``. Blocking.
+
+    A collective-free checkpoint (one published part per rank) is read as the merge of its parts.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist or holds no manifest, or parts are missing.
+        FormatError: The manifest is not an aiockpt manifest or has a newer format version.
+        CorruptionError: The manifest's checksum does not match (names the file).
+    """
+    if not os.path.isfile(path / MANIFEST_NAME):
+        parts = _parts(path)
+        if parts is not None:
+            world, dirs = parts
+            if len(dirs) != world:
+                have = sorted(int(PART_RE.fullmatch(d.name).group(1)) for d in dirs)  # type: ignore[union-attr]
+                missing = sorted(set(range(world)) - set(have))
+                raise CheckpointNotFoundError(
+                    f"{path} is incomplete: the parts of ranks {missing} (of {world}) were never published"
+                )
+            return merge_parts([(d.name, _read_one(d)) for d in dirs])
+    return _read_one(path)
+
+
+def merge_parts(parts: list[tuple[str, Manifest]]) -> Manifest:
+    """One manifest for the parts of a collective-free checkpoint (``(part dir, manifest)`` by rank).
+
+    The tree is rank 0's; tensors are merged by key path, a chunk held by several ranks (a replicated
+    tensor, written by each) is read from the first. File names are made relative to the checkpoint.
+
+    Raises:
+        FormatError: Two parts disagree on a tensor's dtype or global shape.
+    """
+    entries: dict[KeyPath, tuple[TensorEntry, list[Chunk]]] = {}
+    order: list[KeyPath] = []
+    files = []
+    for name, m in parts:
+        files += [msgspec.structs.replace(f, name=f"{name}/{f.name}") for f in m.files]
+        for t in m.tensors:
+            chunks = [msgspec.structs.replace(c, file=f"{name}/{c.file}") for c in t.chunks]
+            have = entries.get(t.path)
+            if have is None:
+                entries[t.path] = (t, chunks)
+                order.append(t.path)
+                continue
+            first, merged = have
+            if (first.dtype, first.shape) != (t.dtype, t.shape):
+                raise FormatError(
+                    f"parts disagree on tensor {'/'.join(map(str, t.path))!r}: "
+                    f"{first.dtype}{list(first.shape)} vs {t.dtype}{list(t.shape)} (in {name})"
+                )
+            boxes = {(c.offsets, c.sizes) for c in merged}
+            merged += [c for c in chunks if (c.offsets, c.sizes) not in boxes]
+    base = parts[0][1]
+    # Rank 0's tree refers to its tensors by index: they come first, in its order.
+    tensors = tuple(msgspec.structs.replace(entries[p][0], chunks=tuple(entries[p][1])) for p in order)
+    return msgspec.structs.replace(
+        base, tensors=tensors, files=tuple(files), world_size=len(parts), part_rank=None
+    )

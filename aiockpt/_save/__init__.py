@@ -48,6 +48,8 @@ class SaveRequest:
     allow_pickle: bool = False
     user_metadata: dict[str, str | int | float | bool | None] = field(default_factory=dict)
     io: IOConfig = field(default_factory=IOConfig)
+    # Collective-free saves: (rank, world size) of the part this process writes alone.
+    part: tuple[int, int] | None = None
 
 
 def _plan_local(rank: int, staged: Staged) -> bytes:
@@ -71,6 +73,7 @@ def _manifest(
             step=req.step,
             block=req.io.checksum_block,
             user_metadata=req.user_metadata,
+            part=req.part,
         )
         encoded, crc = encode_manifest(manifest)
         return manifest, encoded, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)

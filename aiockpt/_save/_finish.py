@@ -43,6 +43,7 @@ def build_manifest(
     step: int | None,
     block: int,
     user_metadata: dict[str, str | int | float | bool | None],
+    part: tuple[int, int] | None = None,
 ) -> Manifest:
     """The manifest of a checkpoint whose ranks wrote ``plan`` and reported ``results`` (in rank order)."""
     chunks = [list(t.chunks) for t in plan.tensors]
@@ -55,7 +56,8 @@ def build_manifest(
     files = tuple(FileInfo(name=r.file, nbytes=r.nbytes) for r in plan.ranks if r.writes)
     return Manifest(
         step=step,
-        world_size=len(plan.ranks),
+        world_size=len(plan.ranks) if part is None else part[1],
+        part_rank=None if part is None else part[0],
         created_at=time.time(),
         library_version=__version__,
         checksum_block=block,
