@@ -139,7 +139,8 @@ class Box:
     Attributes:
         shape: The global shape.
         offsets: The local shard's offset in each dimension.
-        replicated: Whether every rank of the mesh holds this very box (all placements ``Replicate``).
+        replicated: Whether other ranks may hold this very box too (some placement is ``Replicate``); if
+            not, the box is this rank's alone.
     """
 
     shape: tuple[int, ...]
@@ -188,7 +189,7 @@ def shard_of(t: torch.Tensor, path: KeyPath) -> tuple[torch.Tensor, Box]:
         )
     local = t.to_local()  # type: ignore[attr-defined]
     _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)  # type: ignore[attr-defined]
-    replicated = all(p.is_replicate() for p in placements)
+    replicated = any(p.is_replicate() for p in placements)
     return local, Box(shape=tuple(t.shape), offsets=tuple(offsets), replicated=replicated)
 
 

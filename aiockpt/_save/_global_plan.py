@@ -68,34 +68,34 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     tensor_index: dict[KeyPath, int] = {}
     first: list[WriteItem] = []  # the item that introduced each tensor
     first_rank: list[int] = []
-    # (tensor, offsets, sizes) -> candidate (rank, item index) pairs holding that chunk
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (item, tensor) each rank writes
+    load = [0] * world
+    # (tensor, offsets, sizes) -> (rank, item) pairs holding that replicated chunk
     holders: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
     for plan in plans:
+        rank = plan.rank
+        mine = per_rank[rank]
         for j, item in enumerate(plan.items):
             t = tensor_index.get(item.path)
             if t is None:
                 t = tensor_index[item.path] = len(first)
                 first.append(item)
-                first_rank.append(plan.rank)
+                first_rank.append(rank)
             else:
                 it0 = first[t]
-                if it0.dtype != item.dtype or it0.shape != item.shape:
+                if it0.shape != item.shape or it0.dtype != item.dtype:
                     raise StateError(
-                        f"ranks {first_rank[t]} and {plan.rank} disagree on tensor {render(item.path)!r}: "
+                        f"ranks {first_rank[t]} and {rank} disagree on tensor {render(item.path)!r}: "
                         f"{it0.dtype}{list(it0.shape)} vs {item.dtype}{list(item.shape)}",
                         key=render(item.path),
                     )
-            box = (t, item.offsets, item.sizes)
-            cands = holders.get(box)
-            if cands is None:
-                holders[box] = [(plan.rank, j)]
-            else:
-                cands.append((plan.rank, j))
+            if item.replicated:
+                holders.setdefault((t, item.offsets, item.sizes), []).append((rank, j))
+            else:  # this rank's alone
+                mine.append((j, t))
+                load[rank] += item.nbytes
 
-    # A chunk with one holder is written by it. The others go, largest first, each to its least-loaded
-    # holder: a greedy balance of written bytes.
-    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (item, tensor)
-    load = [0] * world
+    # A replicated chunk goes, largest first, to its least-loaded holder: a greedy balance of bytes.
     shared = []
     for (t, _, _), cands in holders.items():
         if len(cands) == 1:
@@ -121,9 +121,11 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
         for j, t in assigned:
             item = items[j]
             nbytes = item.nbytes
-            pos = align(pos, nbytes)
-            writes.append(WriteAssignment(item=j, offset=pos, tensor=t, chunk=len(chunks[t])))
-            chunks[t].append(
+            a = PAGE if nbytes >= LARGE else SMALL_ALIGN
+            pos = -(-pos // a) * a
+            held = chunks[t]
+            writes.append(WriteAssignment(item=j, offset=pos, tensor=t, chunk=len(held)))
+            held.append(
                 Chunk(
                     offsets=item.offsets, sizes=item.sizes, file=file, offset=pos, nbytes=nbytes, checksums=()
                 )

@@ -13,7 +13,8 @@ class WriteItem(msgspec.Struct, frozen=True, kw_only=True, gc=False, array_like=
     """One chunk of one tensor held by this rank.
 
     ``offsets``/``sizes`` place the chunk in the global tensor of shape ``shape``. ``replicated`` chunks may
-    be held by several ranks with identical contents; the global plan writes them once.
+    be held by several ranks with identical contents (the global plan writes them once); other chunks are
+    this rank's alone.
     """
 
     path: KeyPath
