@@ -72,11 +72,17 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     load = [0] * world
     # (tensor, offsets, sizes) -> (rank, item) pairs holding that replicated chunk
     holders: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
+    base = plans[0].items if plans else ()
     for plan in plans:
         rank = plan.rank
         mine = per_rank[rank]
         for j, item in enumerate(plan.items):
-            t = tensor_index.get(item.path)
+            # SPMD ranks list the same tensors in the same order: comparing with rank 0's item at the same
+            # position avoids hashing every key path of every rank.
+            if rank and j < len(base) and base[j].path == item.path:
+                t = j
+            else:
+                t = tensor_index.get(item.path)
             if t is None:
                 t = tensor_index[item.path] = len(first)
                 first.append(item)
