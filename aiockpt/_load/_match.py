@@ -12,6 +12,7 @@ Entries that a Stateful's ``state_dict()`` lacks are created from the checkpoint
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -99,6 +100,8 @@ class _Matcher:
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
         self.inside_stateful = 0
         self.params: dict[KeyPath, torch.Tensor] = {}
+        self.slabs = _Slabs()
+        self.dtensor = dtensor_type()
 
     def diff(self, line: str) -> None:
         self.plan.differences.append(line)
@@ -210,7 +213,7 @@ class _Matcher:
     def tensor(self, node: TensorNode, tmpl: object, path: KeyPath) -> object:
         entry = self.m.tensors[node.index]
         dest = self.plan.destinations.get(node.index)
-        dtensor = dtensor_type()
+        dtensor = self.dtensor
         if dtensor is not None and isinstance(tmpl, dtensor):
             local, box = shard_of(tmpl, path)
             if dtype_name(local.dtype) != entry.dtype or box.shape != entry.shape:
@@ -238,7 +241,7 @@ class _Matcher:
             return tmpl
         if dest is None:
             try:
-                dtype_ = dtype_from_name(entry.dtype)
+                dtype_ = _dtype(entry.dtype)
             except ValueError:
                 self.diff(f"{render(path)}: dtype {entry.dtype} is unknown to this torch")
                 return None
@@ -246,7 +249,7 @@ class _Matcher:
             if dtensor is not None and isinstance(param, dtensor) and tuple(param.shape) == entry.shape:
                 return self.shard_like(node.index, param, dtype_)
             dest = self.plan.destinations[node.index] = Destination(
-                node.index, torch.empty(entry.shape, dtype=dtype_), fresh=True
+                node.index, self.slabs.empty(entry.shape, dtype_), fresh=True
             )
         return dest.tensor
 
@@ -277,6 +280,43 @@ class _Matcher:
             return pickle.loads(node.data)
         except Exception as exc:
             raise StateError(f"cannot unpickle {node.type_name} at key {render(path)!r}: {exc}") from exc
+
+
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = _DTYPES[name] = dtype_from_name(name)
+    return dtype
+
+
+class _Slabs:
+    """Fresh small tensors carved out of shared 16 MiB slabs (one per dtype) instead of one allocation each.
+
+    Allocating (and first touching) thousands of tiny tensors one by one dominated ``read`` of states
+    with many small tensors; slabs make it a few large allocations. Large tensors get their own memory.
+    """
+
+    SLAB = 16 << 20
+    SMALL = 64 << 10
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self.slabs: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        size = dtype.itemsize
+        numel = math.prod(shape)
+        if not numel or numel * size >= self.SMALL:
+            return torch.empty(shape, dtype=dtype)
+        slab, used = self.slabs.get(dtype, (None, 0))
+        if slab is None or used + numel > slab.numel():
+            slab, used = torch.empty(self.SLAB // size, dtype=dtype), 0
+        step = max(1, self.ALIGN // size)
+        self.slabs[dtype] = (slab, -(-(used + numel) // step) * step)
+        return slab[used : used + numel].view(shape)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -79,15 +79,13 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
         for j, item in enumerate(plan.items):
             # SPMD ranks list the same tensors in the same order: comparing with rank 0's item at the same
             # position avoids hashing every key path of every rank.
-            if rank and j < len(base) and base[j].path == item.path:
-                t = j
-            else:
-                t = tensor_index.get(item.path)
-            if t is None:
+            known = j if rank and j < len(base) and base[j].path == item.path else tensor_index.get(item.path)
+            if known is None:
                 t = tensor_index[item.path] = len(first)
                 first.append(item)
                 first_rank.append(rank)
             else:
+                t = known
                 it0 = first[t]
                 if it0.shape != item.shape or it0.dtype != item.dtype:
                     raise StateError(
