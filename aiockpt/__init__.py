@@ -33,6 +33,7 @@ from ._handle import SaveHandle as SaveHandle
 from ._handle import SaveMetrics as SaveMetrics
 from ._handle import SaveState as SaveState
 from ._options import IOConfig as IOConfig
+from ._preemption import Preemption as Preemption
 from ._tree import Stateful as Stateful
 from ._version import __version__ as __version__
 
@@ -51,6 +52,7 @@ __all__ = [
     "IOConfig",
     "Metadata",
     "OnBusy",
+    "Preemption",
     "SaveHandle",
     "SaveMetrics",
     "SaveSkippedError",

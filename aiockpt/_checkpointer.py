@@ -6,7 +6,7 @@ import contextlib
 import os
 import re
 import uuid
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -21,6 +21,7 @@ from ._errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CorruptionError,
     SaveSkippedError,
 )
 from ._format import Key, part_dir_name
@@ -37,6 +38,7 @@ from ._world import LocalWorld, World, part_of, resolve_world
 OnBusy = Literal["wait", "skip", "error"]
 
 LATEST = "latest"
+_LOAD_ATTEMPTS = 3
 _STEP_RE = re.compile(r"step-(\d+)")
 
 
@@ -71,6 +73,9 @@ class Checkpointer:
             ``"skip"`` itself (the handle says so), or raise :class:`BusyError` (``"error"``).
         allow_pickle: Pickle (and unpickle) objects of other types instead of refusing them.
         io: I/O tuning.
+        staging_budget: Most bytes of host memory for staging buffers, in use or kept for reuse, at
+            once (``None``: no limit). A save that does not fit waits for memory (``on_busy="wait"``) or
+            raises :class:`BusyError`; one larger than the whole budget always raises.
         process_group: Save collectively over this ``torch.distributed`` group (default: the default
             group when ``torch.distributed`` is initialised). Every rank opens a Checkpointer on the same
             root and calls ``save`` with the same steps; rank 0 publishes, updates ``latest`` and prunes.
@@ -96,6 +101,7 @@ class Checkpointer:
         on_busy: OnBusy = "wait",
         allow_pickle: bool = False,
         io: IOConfig | None = None,
+        staging_budget: int | None = None,
         process_group: ProcessGroup | None = None,
         collective_timeout: float = DEFAULT_TIMEOUT,
         use_collectives: bool = True,
@@ -108,6 +114,8 @@ class Checkpointer:
             raise CheckpointError(f"max_inflight must be at least 1, not {max_inflight}")
         if on_busy not in ("wait", "skip", "error"):
             raise CheckpointError(f"on_busy must be 'wait', 'skip' or 'error', not {on_busy!r}")
+        if staging_budget is not None and staging_budget < 0:
+            raise CheckpointError(f"staging_budget must be a byte count or None, not {staging_budget}")
         self.root = absolute(root)
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -115,7 +123,7 @@ class Checkpointer:
         self.on_busy: OnBusy = on_busy
         self.allow_pickle = allow_pickle
         self.io = io or IOConfig()
-        self._pool = StagingPool()
+        self._pool = StagingPool(staging_budget, wait=on_busy == "wait")
         self._steps: list[int] = []
         self._inflight: dict[int, SaveHandle] = {}
         self._loading: dict[int, int] = {}
@@ -348,19 +356,54 @@ class Checkpointer:
             CorruptionError: Stored bytes fail verification (names the key and file).
             StateMismatchError: ``strict`` and the target differs; nothing was loaded.
         """
-        chosen = await self._resolve(step)
-        if chosen is None:
-            return None
-        self._loading[chosen] = self._loading.get(chosen, 0) + 1
-        try:
-            await run_load(
-                state, self.path_of(chosen), strict=strict, allow_pickle=self.allow_pickle, io=self.io
-            )
-        finally:
-            self._loading[chosen] -= 1
-            if not self._loading[chosen]:
-                del self._loading[chosen]
-        return chosen
+        for attempt in range(_LOAD_ATTEMPTS):
+            chosen = await self._resolve(step)
+            if chosen is None:
+                return None
+            path = self.path_of(chosen)
+            self._loading[chosen] = self._loading.get(chosen, 0) + 1
+            try:
+                await run_load(state, path, strict=strict, allow_pickle=self.allow_pickle, io=self.io)
+            except (CheckpointNotFoundError, CorruptionError) as exc:
+                # Another process's retention may delete a step while we start reading it. Every data
+                # file is opened before the first byte lands in `state`, so a vanished step has left
+                # the target untouched: take the newest step again.
+                if await run_sync(path.exists):
+                    raise
+                if step is not None or attempt == _LOAD_ATTEMPTS - 1:
+                    raise CheckpointNotFoundError(
+                        f"step {chosen} was deleted from {self.root} while loading it (retention by "
+                        "another process?); nothing was loaded"
+                    ) from exc
+                continue
+            finally:
+                self._loading[chosen] -= 1
+                if not self._loading[chosen]:
+                    del self._loading[chosen]
+            return chosen
+        raise AssertionError("unreachable")
+
+    async def watch(self, *, poll_interval: float = 1.0, coalesce: bool = True) -> AsyncIterator[int]:
+        """Yield steps as they are committed, by this process or any other (a learner), forever.
+
+        The directory is polled (a listing every ``poll_interval`` seconds, in a worker thread) rather
+        than watched with inotify: polling works the same on local disks, NFS and other shared file
+        systems where change notifications are missing or unreliable, and needs no dependency. Steps
+        committed before the call are not yielded.
+
+        Args:
+            poll_interval: Seconds between listings.
+            coalesce: When several steps were committed between two listings, yield only the newest
+                (what an actor that hot-loads weights wants); with ``False``, yield each in order.
+        """
+        await self.refresh()
+        last = self.latest_step()
+        while True:
+            await anyio.sleep(poll_interval)
+            fresh = [s for s in await self.refresh() if last is None or s > last]
+            for s in fresh[-1:] if coalesce else fresh:
+                last = s
+                yield s
 
     async def read(self, step: int | None = None) -> dict[Key, object]:
         """Read checkpoint ``step`` (default: the latest) as a fresh tree of CPU tensors.

@@ -9,7 +9,10 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import anyio
 import torch
+
+from ._errors import BusyError
 
 _EMPTY = memoryview(bytearray(0))
 
@@ -43,22 +46,79 @@ class StagingPool:
 
     First-touch page faults make a copy into fresh memory several times slower than into reused memory,
     so a Checkpointer keeps the buffers of its last saves. Buffers are pinned when CUDA is available and
-    the save copies from a GPU. Thread-safe.
+    the save copies from a GPU.
+
+    With a ``budget``, the bytes of buffers in use plus those kept for reuse never exceed it: a save
+    reserves its staging bytes first (:meth:`reserve`, on the event loop; it waits for, or refuses, what
+    does not fit), and :meth:`acquire` drops kept buffers before allocating past the budget.
+    ``acquire``/``release``/``close`` are thread-safe and blocking; ``reserve``/``unreserve`` belong to the
+    event loop.
+
+    Args:
+        budget: Most bytes of staging memory held at once (``None``: no limit).
+        wait: Whether a reservation that does not fit now waits for memory to be given back
+            (otherwise it raises :class:`BusyError`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int | None = None, *, wait: bool = True) -> None:
+        self.budget = budget
+        self.wait = wait
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._reserved = 0
+        self._changed: anyio.Event | None = None
+
+    async def reserve(self, nbytes: int) -> None:
+        """Reserve ``nbytes`` of the budget for a save (no-op without a budget).
+
+        Raises:
+            BusyError: ``nbytes`` exceeds the whole budget, or does not fit now and ``wait`` is false.
+        """
+        if self.budget is None or nbytes == 0:
+            return
+        if nbytes > self.budget:
+            raise BusyError(
+                f"this save stages {nbytes:,} bytes, more than the whole staging budget of {self.budget:,}"
+            )
+        while self._reserved + nbytes > self.budget:
+            if not self.wait:
+                raise BusyError(
+                    f"the staging budget of {self.budget:,} bytes is in use by other saves "
+                    f"({self._reserved:,} reserved; this save needs {nbytes:,})"
+                )
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+        self._reserved += nbytes
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give back a reservation (on the event loop); wakes saves waiting for budget."""
+        if self.budget is None or nbytes == 0:
+            return
+        self._reserved -= nbytes
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        """Return a uint8 buffer of at least ``nbytes``: the smallest free one that fits, or a new one."""
+        """Return a uint8 buffer of at least ``nbytes``: the smallest kept one that fits, or a new one."""
+        drop: list[torch.Tensor] = []
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() == pinned]
             if fits:
                 best = min(fits, key=lambda b: b.numel())
                 self._free.remove(best)
                 return best
+            if self.budget is not None:
+                # The reservation guarantees the buffers in use fit with this one; kept ones may not.
+                kept = sum(b.numel() for b in self._free)
+                while self._free and self._reserved + kept > self.budget:
+                    victim = max(self._free, key=lambda b: b.numel())
+                    self._free.remove(victim)
+                    kept -= victim.numel()
+                    drop.append(victim)
+        drop.clear()  # freed here, in the calling (worker) thread
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and cuda_available())
 
     def release(self, buf: torch.Tensor) -> None:
@@ -69,12 +129,12 @@ class StagingPool:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes held by free buffers."""
+        """Bytes held by buffers kept for reuse."""
         with self._lock:
             return sum(b.numel() for b in self._free)
 
     def close(self) -> None:
-        """Drop every free buffer; buffers released later are dropped too.
+        """Drop every kept buffer; buffers released later are dropped too.
 
         Blocking: freeing gigabytes takes a while, so call it from a worker thread.
         """

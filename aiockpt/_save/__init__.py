@@ -96,11 +96,12 @@ async def _give_back(pool: StagingPool, staged: Staged, limiter: anyio.CapacityL
     If the pool is closed the buffer is freed, and unmapping gigabytes takes long enough to stall the
     event loop: the thread must hold the last reference, hence the hand-over through a list.
     """
-    if staged.buffer is None:
-        return
-    box = [staged.buffer]
-    staged.buffer = None
-    await run_sync(lambda: pool.release(box.pop()), limiter)
+    if staged.buffer is not None:
+        box = [staged.buffer]
+        staged.buffer = None
+        await run_sync(lambda: pool.release(box.pop()), limiter)
+    pool.unreserve(staged.reserved)
+    staged.reserved = 0
 
 
 def _read_summary(path: Path) -> tuple[Manifest, int, int]:

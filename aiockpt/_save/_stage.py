@@ -36,6 +36,7 @@ class Staged:
         buffer: The staging buffer to give back to the pool afterwards, if one was used.
         nbytes: Tensor bytes in the state.
         copied: Of those, bytes copied into the staging buffer.
+        reserved: Bytes of the pool's budget this save holds until its buffer is given back.
     """
 
     flat: Flattened
@@ -43,6 +44,7 @@ class Staged:
     buffer: torch.Tensor | None
     nbytes: int
     copied: int
+    reserved: int = 0
 
 
 def _zero_copy(t: torch.Tensor) -> bool:
@@ -56,8 +58,22 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def stage_sync(state: Mapping[str, object], *, copy: bool, pool: StagingPool, allow_pickle: bool) -> Staged:
-    """Blocking body of :func:`stage`, for a worker thread."""
+@dataclass
+class Layout:
+    """Where each tensor that must be copied goes in the staging buffer (``total`` bytes)."""
+
+    flat: Flattened
+    sources: list[memoryview]
+    nbytes: int
+    small: list[int]
+    large: list[int]
+    offsets: dict[int, int]
+    packed: int
+    total: int
+
+
+def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -> Layout:
+    """Flatten ``state`` and lay out its staging buffer. Blocking (calls ``state_dict()``)."""
     with paused():
         flat = flatten(state, allow_pickle=allow_pickle)
     tensors = flat.tensors
@@ -76,11 +92,8 @@ def stage_sync(state: Mapping[str, object], *, copy: bool, pool: StagingPool, al
             small.append(i)
         else:
             large.append(i)
-    if not small and not large:
-        return Staged(flat=flat, sources=sources, buffer=None, nbytes=nbytes, copied=0)
-
-    # Layout: small tensors packed back to back (one concatenation copies them all), then large ones
-    # at aligned offsets (one copy each, which torch parallelises).
+    # Small tensors packed back to back (one concatenation copies them all), then large ones at aligned
+    # offsets (one copy each, which torch parallelises).
     offsets: dict[int, int] = {}
     pos = 0
     for i in small:
@@ -91,17 +104,25 @@ def stage_sync(state: Mapping[str, object], *, copy: bool, pool: StagingPool, al
         pos = -(-pos // _ALIGN) * _ALIGN
         offsets[i] = pos
         pos += nbytes_of(tensors[i])
-    from_gpu = any(tensors[i].device.type == "cuda" for i in large)
-    buffer = pool.acquire(pos, pinned=from_gpu)
+    return Layout(flat, sources, nbytes, small, large, offsets, packed, pos)
+
+
+def copy_stage(layout: Layout, pool: StagingPool) -> Staged:
+    """Copy the tensors of ``layout`` into a staging buffer from ``pool``. Blocking."""
+    flat, sources, tensors = layout.flat, layout.sources, layout.flat.tensors
+    if not layout.offsets:
+        return Staged(flat=flat, sources=sources, buffer=None, nbytes=layout.nbytes, copied=0)
+    from_gpu = any(tensors[i].device.type == "cuda" for i in layout.large)
+    buffer = pool.acquire(layout.total, pinned=from_gpu)
     try:
-        if small:
+        if layout.small:
             with paused():
-                parts = [_as_bytes(tensors[i]) for i in small]
-            torch.cat(parts, out=buffer[:packed])
+                parts = [_as_bytes(tensors[i]) for i in layout.small]
+            torch.cat(parts, out=buffer[: layout.packed])
             del parts
-        for i in large:
+        for i in layout.large:
             t = tensors[i]
-            off = offsets[i]
+            off = layout.offsets[i]
             dst = buffer[off : off + nbytes_of(t)].view(t.dtype).view(t.shape)
             dst.copy_(t, non_blocking=t.device.type == "cuda")
         if from_gpu:
@@ -111,11 +132,11 @@ def stage_sync(state: Mapping[str, object], *, copy: bool, pool: StagingPool, al
         raise
     whole = byte_view(buffer)
     copied = 0
-    for i, off in offsets.items():
+    for i, off in layout.offsets.items():
         n = nbytes_of(tensors[i])
         sources[i] = whole[off : off + n]
         copied += n
-    return Staged(flat=flat, sources=sources, buffer=buffer, nbytes=nbytes, copied=copied)
+    return Staged(flat=flat, sources=sources, buffer=buffer, nbytes=layout.nbytes, copied=copied)
 
 
 async def stage(
@@ -128,9 +149,19 @@ async def stage(
 ) -> Staged:
     """Flatten ``state`` and stage its tensors (see the module docstring).
 
+    Staging memory is reserved from the pool's budget first; the reservation is the caller's to give back
+    (:meth:`StagingPool.unreserve` with ``Staged.reserved``) once the buffer is released.
+
     Raises:
         StateError: The state holds something that cannot be saved; the message names the key.
+        BusyError: The staging budget cannot hold this save (now, with ``wait_for_budget=False``, or ever).
     """
-    return await run_sync(
-        lambda: stage_sync(state, copy=copy, pool=pool, allow_pickle=allow_pickle), limiter=limiter
-    )
+    layout = await run_sync(lambda: plan_stage(state, copy=copy, allow_pickle=allow_pickle), limiter)
+    await pool.reserve(layout.total)
+    try:
+        staged = await run_sync(lambda: copy_stage(layout, pool), limiter)
+    except BaseException:
+        pool.unreserve(layout.total)
+        raise
+    staged.reserved = layout.total
+    return staged
