@@ -11,7 +11,7 @@ import os
 import queue
 import threading
 from collections.abc import Mapping, MutableMapping
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -19,9 +19,13 @@ from anyio.from_thread import BlockingPortal
 from . import _api
 from ._checkpointer import Checkpointer as AsyncCheckpointer
 from ._checkpointer import OnBusy
+from ._dist import DEFAULT_TIMEOUT
 from ._format import Key
 from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
 from ._options import IOConfig
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["Checkpointer", "SyncSaveHandle", "load", "read", "save"]
 
@@ -112,6 +116,10 @@ class Checkpointer:
         on_busy: OnBusy = "wait",
         allow_pickle: bool = False,
         io: IOConfig | None = None,
+        staging_budget: int | None = None,
+        process_group: ProcessGroup | None = None,
+        collective_timeout: float = DEFAULT_TIMEOUT,
+        use_collectives: bool = True,
     ) -> None:
         self._ckpt = AsyncCheckpointer(
             root,
@@ -121,6 +129,10 @@ class Checkpointer:
             on_busy=on_busy,
             allow_pickle=allow_pickle,
             io=io,
+            staging_budget=staging_budget,
+            process_group=process_group,
+            collective_timeout=collective_timeout,
+            use_collectives=use_collectives,
         )
         self._portal, self._thread = _start_portal()
         try:
