@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ._fs import drop_cache
 from ._limits import cold_read, fsync_write
+from ._state import byte_views
 
 Results = dict[str, list[float]]
 
@@ -77,7 +78,7 @@ async def _rounds(rank: int, world: int, args: argparse.Namespace) -> Results:
     scratch = Path(args.dir)
     state = _state(world, rank, args.size_gib)
     template: dict[str, object] = {k: v.clone() for k, v in state.items()}
-    views = [memoryview(_local(v).view(torch.uint8).reshape(-1).numpy()) for v in state.values()]
+    views = byte_views({k: _local(v) for k, v in state.items()})
     copies = [torch.empty_like(_local(v)) for v in state.values()]
     for c in copies:
         c.fill_(0)
