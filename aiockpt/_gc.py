@@ -20,9 +20,16 @@ _was_enabled = False
 
 
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Disable the cyclic collector inside the block (nested and concurrent uses are fine)."""
+def paused(enabled: bool = True) -> Iterator[None]:
+    """Disable the cyclic collector inside the block (nested and concurrent uses are fine).
+
+    Args:
+        enabled: ``False`` makes the block a no-op.
+    """
     global _depth, _was_enabled
+    if not enabled:
+        yield
+        return
     with _lock:
         if _depth == 0:
             _was_enabled = gc.isenabled()

@@ -16,10 +16,16 @@ class IOConfig:
             local disks; more help on network file systems.
         checksum_block: Bytes covered by each CRC32C. Large chunks are split into blocks of this size so
             their writing and verification spread over threads. Recorded in the manifest.
+        pause_gc: Pause Python's cyclic garbage collector while a save or load runs (reference counting
+            goes on). A save of many tensors allocates enough bookkeeping objects to set off full
+            collections that hold the GIL for 100 ms and more, stalling the event loop; paused, those
+            objects are freed before the collector resumes. Cyclic garbage made meanwhile by other code
+            is collected once the last save or load in flight ends.
     """
 
     threads: int = 4
     checksum_block: int = 4 << 20
+    pause_gc: bool = True
 
     def __post_init__(self) -> None:
         if self.threads < 1:

@@ -8,7 +8,12 @@ moves. Per-item Python work is therefore one list append; per-run work is one sy
 from __future__ import annotations
 
 import os
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # Largest run: big enough to amortise a system call, small enough to spread over threads and to keep a
 # just-read block in cache while its checksum is computed.
@@ -65,6 +70,21 @@ def group(pieces: list[Piece]) -> list[Run]:
         run.pieces.append(p)
         run.end = p.offset + n
     return runs
+
+
+def lanes(runs: list[T], parts: int, size: Callable[[T], int]) -> list[deque[T]]:
+    """Split ``runs`` (in file order) into at most ``parts`` contiguous lanes of about equal bytes.
+
+    Each reader thread takes one lane and walks it in order, so every thread reads one sequential range
+    of the file and the kernel's readahead keeps up, as it does for a plain sequential read.
+    """
+    total = sum(size(r) for r in runs) or 1
+    out: list[deque[T]] = [deque() for _ in range(max(1, min(parts, len(runs))))]
+    done = 0
+    for r in runs:
+        out[min(done * len(out) // total, len(out) - 1)].append(r)
+        done += size(r)
+    return [lane for lane in out if lane]
 
 
 def _iov(run: Run, gap: memoryview) -> list[memoryview]:

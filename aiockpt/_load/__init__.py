@@ -17,6 +17,7 @@ import torch
 
 from .._errors import StateError, StateMismatchError, StateMismatchWarning
 from .._format import Key, Manifest
+from .._gc import paused
 from .._options import IOConfig
 from .._threads import run_sync
 from .._tree import render
@@ -59,6 +60,19 @@ async def run_load(
     limiter: anyio.CapacityLimiter | None = None,
 ) -> Manifest:
     """Load the checkpoint at ``path`` into ``state`` in place (see :func:`aiockpt.load`)."""
+    with paused(io.pause_gc):
+        return await _load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, limiter=limiter)
+
+
+async def _load(
+    state: MutableMapping[str, object],
+    path: Path,
+    *,
+    strict: bool,
+    allow_pickle: bool,
+    io: IOConfig,
+    limiter: anyio.CapacityLimiter | None,
+) -> Manifest:
     manifest = await run_sync(lambda: read_manifest(path), limiter)
     plan = await run_sync(lambda: match(manifest, state, allow_pickle=allow_pickle), limiter)
     if plan.differences:
@@ -79,6 +93,13 @@ async def run_read(
     path: Path, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None = None
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` into a fresh tree of CPU tensors (see :func:`aiockpt.read`)."""
+    with paused(io.pause_gc):
+        return await _read(path, allow_pickle=allow_pickle, io=io, limiter=limiter)
+
+
+async def _read(
+    path: Path, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
+) -> dict[Key, object]:
     manifest = await run_sync(lambda: read_manifest(path), limiter)
     plan = await run_sync(lambda: match(manifest, None, allow_pickle=allow_pickle), limiter)
     await _fill(path, manifest, plan, io, limiter)

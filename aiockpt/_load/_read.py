@@ -22,7 +22,7 @@ from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest
 from .._gc import paused
 from .._memory import byte_view
-from .._runs import MAX_GAP, Piece, Run, group, read_run, split
+from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, run_sync, run_workers
 from .._tree import dtype_from_name, render
 from ._match import Destination
@@ -139,13 +139,15 @@ async def read_into(
             by_file: dict[str, list[Piece]] = {}
             for i, r in enumerate(reads):
                 by_file.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
+            jobs: list[tuple[str, Run]] = []
             for name, pieces in by_file.items():
                 pieces.sort(key=lambda p: p.offset)
                 jobs.extend((name, run) for run in group(pieces))
+            work.extend(lanes(jobs, threads, lambda job: job[1].end - job[1].offset))
         return reads, copies, keep, by_file
 
     fds: dict[str, int] = {}
-    jobs: deque[tuple[str, Run]] = deque()
+    work: list[deque[tuple[str, Run]]] = []
     reads, copies, keep, by_file = await run_sync(plan_reads, limiter)
 
     def corrupt(r: _Read, what: str) -> CorruptionError:
@@ -173,13 +175,11 @@ async def read_into(
 
     def worker(abort: threading.Event) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
-        while True:
+        lane = work.pop()
+        while lane:
             if abort.is_set():
                 raise Aborted
-            try:
-                name, run = jobs.popleft()
-            except IndexError:
-                return
+            name, run = lane.popleft()
             got = read_run(fds[name], run, scratch)
             if got < run.end - run.offset:
                 raise corrupt(reads[run.pieces[-1].item], "data file is truncated")
@@ -190,8 +190,8 @@ async def read_into(
 
     try:
         await run_sync(open_files, limiter)
-        if jobs:
-            await run_workers(worker, min(threads, len(jobs)), limiter)
+        if work:
+            await run_workers(worker, len(work), limiter)
         if copies:
             await run_sync(lambda: _run_all(copies), limiter)
     except OSError as exc:

@@ -141,6 +141,25 @@ async def run_save(
 ) -> Metadata:
     """Save ``req.state`` to ``req.path`` on every rank of ``world`` (a collective call).
 
+    The cyclic garbage collector is paused for the whole save (see ``_gc``): the save's own bookkeeping
+    objects are freed by reference counting when :func:`_save` returns, before it resumes, so they never
+    trigger a full collection, which would hold the GIL, and so stall the event loop, for a long time.
+    """
+    with paused(req.io.pause_gc):
+        return await _save(req, world=world, pool=pool, metrics=metrics, report=report, limiter=limiter)
+
+
+async def _save(
+    req: SaveRequest,
+    *,
+    world: World,
+    pool: StagingPool,
+    metrics: SaveMetrics,
+    report: Callable[[SaveState], None],
+    limiter: anyio.CapacityLimiter | None = None,
+) -> Metadata:
+    """Body of :func:`run_save`.
+
     ``report(SaveState.STAGED)`` is called once the caller may mutate the state again, and
     ``report(SaveState.WRITING)`` when this rank starts writing.
 
