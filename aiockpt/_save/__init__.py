@@ -79,9 +79,13 @@ def _manifest(
         return manifest, encoded, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
-def _prepare_target(path: Path) -> tuple[Path, OwnerLock]:
+def _check_target(path: Path) -> None:
     if os.path.lexists(path):
         raise CheckpointExistsError(f"{path} already exists; aiockpt never overwrites a checkpoint")
+
+
+def _prepare_target(path: Path) -> tuple[Path, OwnerLock]:
+    _check_target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return _open_tmp(path)
@@ -175,14 +179,16 @@ async def _save(
     tmp: tuple[Path, OwnerLock] | None = None
     try:
         # --- stage and local plan: this rank alone
-        if coordinator:
-            tmp = await run_sync(partial(_prepare_target, req.path), limiter)
+        if coordinator:  # fail fast; the temp dir is made after staging, off the caller's critical path
+            await run_sync(partial(_check_target, req.path), limiter)
         staged = await stage(
             req.state, copy=req.copy, pool=pool, allow_pickle=req.allow_pickle, limiter=limiter
         )
         metrics.phase("stage")
         metrics.nbytes, metrics.staged_bytes = staged.nbytes, staged.copied
         report(SaveState.STAGED)
+        if coordinator:
+            tmp = await run_sync(partial(_prepare_target, req.path), limiter)
         local = await run_sync(partial(_plan_local, world.rank, staged), limiter)
         metrics.phase("local_plan")
 
