@@ -6,7 +6,7 @@ import contextlib
 import os
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
+from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -383,7 +383,7 @@ class Checkpointer:
             return chosen
         raise AssertionError("unreachable")
 
-    async def watch(self, *, poll_interval: float = 1.0, coalesce: bool = True) -> AsyncIterator[int]:
+    async def watch(self, *, poll_interval: float = 1.0, coalesce: bool = True) -> AsyncGenerator[int, None]:
         """Yield steps as they are committed, by this process or any other (a learner), forever.
 
         The directory is polled (a listing every ``poll_interval`` seconds, in a worker thread) rather

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass, field
 
 import anyio
 import torch
@@ -41,6 +42,17 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@dataclass
+class Claim:
+    """Staging memory granted to one save: a kept buffer to reuse, or room to allocate ``nbytes``."""
+
+    nbytes: int
+    pinned: bool
+    buffer: torch.Tensor | None = None
+    evicted: list[torch.Tensor] = field(default_factory=list)
+    taken: bool = False
+
+
 class StagingPool:
     """Host staging buffers reused across saves, so copies land in memory that is already touched.
 
@@ -48,90 +60,120 @@ class StagingPool:
     so a Checkpointer keeps the buffers of its last saves. Buffers are pinned when CUDA is available and
     the save copies from a GPU.
 
-    With a ``budget``, the bytes of buffers in use plus those kept for reuse never exceed it: a save
-    reserves its staging bytes first (:meth:`reserve`, on the event loop; it waits for, or refuses, what
-    does not fit), and :meth:`acquire` drops kept buffers before allocating past the budget.
-    ``acquire``/``release``/``close`` are thread-safe and blocking; ``reserve``/``unreserve`` belong to the
-    event loop.
+    With a ``budget``, the real sizes of buffers handed out plus those kept for reuse never exceed it. A
+    save first :meth:`claim`s memory on the event loop (reusing the smallest kept buffer that fits, or
+    making room by dropping kept ones); a claim that cannot be granted waits for buffers to come back, or
+    raises :class:`BusyError` when ``wait`` is false. :meth:`take` (in a worker thread) turns the claim into
+    a buffer; :meth:`release` (in a worker thread) gives it back, then :meth:`notify` (on the loop) wakes
+    the saves waiting for memory. Accounting is guarded by a lock; buffers are always freed in threads.
 
     Args:
         budget: Most bytes of staging memory held at once (``None``: no limit).
-        wait: Whether a reservation that does not fit now waits for memory to be given back
-            (otherwise it raises :class:`BusyError`).
+        wait: Whether a claim that does not fit now waits (otherwise it raises :class:`BusyError`).
     """
 
     def __init__(self, budget: int | None = None, *, wait: bool = True) -> None:
         self.budget = budget
         self.wait = wait
         self._free: list[torch.Tensor] = []
+        self._in_use = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._reserved = 0
         self._changed: anyio.Event | None = None
 
-    async def reserve(self, nbytes: int) -> None:
-        """Reserve ``nbytes`` of the budget for a save (no-op without a budget).
+    async def claim(self, nbytes: int, *, pinned: bool) -> Claim:
+        """Claim ``nbytes`` of staging memory for one save (on the event loop).
 
         Raises:
             BusyError: ``nbytes`` exceeds the whole budget, or does not fit now and ``wait`` is false.
         """
-        if self.budget is None or nbytes == 0:
-            return
-        if nbytes > self.budget:
+        if self.budget is not None and nbytes > self.budget:
             raise BusyError(
                 f"this save stages {nbytes:,} bytes, more than the whole staging budget of {self.budget:,}"
             )
-        while self._reserved + nbytes > self.budget:
+        while True:
+            claim = self._try_claim(nbytes, pinned)
+            if claim is not None:
+                return claim
             if not self.wait:
                 raise BusyError(
                     f"the staging budget of {self.budget:,} bytes is in use by other saves "
-                    f"({self._reserved:,} reserved; this save needs {nbytes:,})"
+                    f"({self._in_use:,} bytes); this save needs {nbytes:,}"
                 )
             if self._changed is None:
                 self._changed = anyio.Event()
             await self._changed.wait()
-        self._reserved += nbytes
 
-    def unreserve(self, nbytes: int) -> None:
-        """Give back a reservation (on the event loop); wakes saves waiting for budget."""
-        if self.budget is None or nbytes == 0:
+    def _try_claim(self, nbytes: int, pinned: bool) -> Claim | None:
+        with self._lock:
+            if nbytes == 0:
+                return Claim(0, pinned, taken=False)
+            fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() == pinned]
+            if fits:  # reuse: the buffer moves from kept to in use, the total is unchanged
+                best = min(fits, key=lambda b: b.numel())
+                self._free = [b for b in self._free if b is not best]
+                self._in_use += best.numel()
+                return Claim(nbytes, pinned, buffer=best)
+            if self.budget is not None and self._in_use + nbytes > self.budget:
+                return None
+            evicted: list[torch.Tensor] = []
+            if self.budget is not None:
+                kept = sum(b.numel() for b in self._free)
+                while self._free and self._in_use + kept + nbytes > self.budget:
+                    victim = max(self._free, key=lambda b: b.numel())
+                    self._free = [b for b in self._free if b is not victim]
+                    kept -= victim.numel()
+                    evicted.append(victim)
+            self._in_use += nbytes
+            return Claim(nbytes, pinned, evicted=evicted)
+
+    def take(self, claim: Claim) -> torch.Tensor:
+        """The buffer of ``claim``: the reused one, or a new one (blocking: call it in a worker thread)."""
+        claim.taken = True
+        claim.evicted.clear()  # dropped buffers are freed here, off the event loop
+        if claim.buffer is not None:
+            buf, claim.buffer = claim.buffer, None
+            return buf
+        return torch.empty(claim.nbytes, dtype=torch.uint8, pin_memory=claim.pinned and cuda_available())
+
+    def forget(self, claim: Claim) -> None:
+        """Undo a claim that was never taken (its save ended first)."""
+        if claim.taken:
             return
-        self._reserved -= nbytes
+        claim.taken = True
+        with self._lock:
+            if claim.buffer is not None:
+                self._in_use -= claim.buffer.numel()
+                if not self._closed:
+                    self._free.append(claim.buffer)
+                claim.buffer = None
+            else:
+                self._in_use -= claim.nbytes
+        self.notify()
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give back a buffer from :meth:`take` for reuse (dropped if the pool is closed)."""
+        with self._lock:
+            self._in_use -= buf.numel()
+            if not self._closed:
+                self._free.append(buf)
+
+    def notify(self) -> None:
+        """Wake the saves waiting for memory (on the event loop, after a release)."""
         if self._changed is not None:
             self._changed.set()
             self._changed = None
 
-    def acquire(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        """Return a uint8 buffer of at least ``nbytes``: the smallest kept one that fits, or a new one."""
-        drop: list[torch.Tensor] = []
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= nbytes and b.is_pinned() == pinned]
-            if fits:
-                best = min(fits, key=lambda b: b.numel())
-                self._free.remove(best)
-                return best
-            if self.budget is not None:
-                # The reservation guarantees the buffers in use fit with this one; kept ones may not.
-                kept = sum(b.numel() for b in self._free)
-                while self._free and self._reserved + kept > self.budget:
-                    victim = max(self._free, key=lambda b: b.numel())
-                    self._free.remove(victim)
-                    kept -= victim.numel()
-                    drop.append(victim)
-        drop.clear()  # freed here, in the calling (worker) thread
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and cuda_available())
-
-    def release(self, buf: torch.Tensor) -> None:
-        """Give ``buf`` back for reuse (dropped if the pool is closed)."""
-        with self._lock:
-            if not self._closed:
-                self._free.append(buf)
-
     @property
     def held_bytes(self) -> int:
-        """Bytes held by buffers kept for reuse."""
+        """Bytes of buffers kept for reuse."""
         with self._lock:
             return sum(b.numel() for b in self._free)
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes of buffers handed out to saves."""
+        return self._in_use
 
     def close(self) -> None:
         """Drop every kept buffer; buffers released later are dropped too.

@@ -12,6 +12,28 @@ import torch
 
 import aiockpt
 
+# --- Options -------------------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="also run the full stress and crash trials marked `slow` (CI runs their bounded variants)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``slow`` unless ``--run-slow`` is given."""
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="full trial marked slow: run with --run-slow (`nox -s slow`)")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 # Every dtype with a byte layout that a checkpoint must carry bit-exactly; missing ones are skipped.
 DTYPE_NAMES = (
     "bool",

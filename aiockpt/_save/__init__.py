@@ -104,8 +104,7 @@ async def _give_back(pool: StagingPool, staged: Staged, limiter: anyio.CapacityL
         box = [staged.buffer]
         staged.buffer = None
         await run_sync(lambda: pool.release(box.pop()), limiter)
-    pool.unreserve(staged.reserved)
-    staged.reserved = 0
+        pool.notify()
 
 
 def _read_summary(path: Path) -> tuple[Manifest, int, int]:
@@ -232,18 +231,19 @@ async def _save(
                 with anyio.CancelScope(shield=True):
                     await exchanges.exchange("outcome", outcome)
                 raise
-            finally:
-                if summary is not None:  # published: the temp dir is gone, only its lock remains
-                    await run_sync(tmp[1].release, limiter)
-                    tmp = None
-        with anyio.CancelScope(shield=True):  # past the commit point every rank must learn the outcome
+        # Past the commit point (or waiting to learn whether rank 0 reached it) nothing is cancellable:
+        # a save that published must end as committed, with its bookkeeping done.
+        with anyio.CancelScope(shield=True):
+            if summary is not None and tmp is not None:  # published: only the temp dir's lock remains
+                await run_sync(tmp[1].release, limiter)
+                tmp = None
             statuses = await exchanges.exchange("outcome", outcome)
-        exchanges.settled = True
-        if not statuses[0].ok:
-            raise DistributedError(f"rank 0 did not publish {req.path}: {statuses[0].error}", ranks=[0])
-        metrics.phase("finish")
-        if summary is None:
-            summary = await run_sync(lambda: _read_summary(req.path), limiter)
+            exchanges.settled = True
+            if not statuses[0].ok:
+                raise DistributedError(f"rank 0 did not publish {req.path}: {statuses[0].error}", ranks=[0])
+            metrics.phase("finish")
+            if summary is None:
+                summary = await run_sync(lambda: _read_summary(req.path), limiter)
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
             await exchanges.abort(describe(exc))
@@ -254,6 +254,7 @@ async def _save(
         if staged is not None:
             with anyio.CancelScope(shield=True):
                 await _give_back(pool, staged, limiter)
+    assert summary is not None
     manifest, crc, nbytes = summary
     return Metadata(
         path=str(req.path),

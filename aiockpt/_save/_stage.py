@@ -15,7 +15,7 @@ import anyio
 import torch
 
 from .._gc import paused
-from .._memory import StagingPool, byte_view, nbytes_of
+from .._memory import Claim, StagingPool, byte_view, nbytes_of
 from .._threads import run_sync
 from .._tree import Flattened, flatten
 
@@ -36,7 +36,6 @@ class Staged:
         buffer: The staging buffer to give back to the pool afterwards, if one was used.
         nbytes: Tensor bytes in the state.
         copied: Of those, bytes copied into the staging buffer.
-        reserved: Bytes of the pool's budget this save holds until its buffer is given back.
     """
 
     flat: Flattened
@@ -44,7 +43,6 @@ class Staged:
     buffer: torch.Tensor | None
     nbytes: int
     copied: int
-    reserved: int = 0
 
 
 def _zero_copy(t: torch.Tensor) -> bool:
@@ -107,13 +105,13 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
     return Layout(flat, sources, nbytes, small, large, offsets, packed, pos)
 
 
-def copy_stage(layout: Layout, pool: StagingPool) -> Staged:
-    """Copy the tensors of ``layout`` into a staging buffer from ``pool``. Blocking."""
+def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
+    """Copy the tensors of ``layout`` into the staging buffer ``claim`` grants. Blocking."""
     flat, sources, tensors = layout.flat, layout.sources, layout.flat.tensors
     if not layout.offsets:
         return Staged(flat=flat, sources=sources, buffer=None, nbytes=layout.nbytes, copied=0)
-    from_gpu = any(tensors[i].device.type == "cuda" for i in layout.large)
-    buffer = pool.acquire(layout.total, pinned=from_gpu)
+    from_gpu = claim.pinned
+    buffer = pool.take(claim)
     try:
         if layout.small:
             with paused():
@@ -149,19 +147,22 @@ async def stage(
 ) -> Staged:
     """Flatten ``state`` and stage its tensors (see the module docstring).
 
-    Staging memory is reserved from the pool's budget first; the reservation is the caller's to give back
-    (:meth:`StagingPool.unreserve` with ``Staged.reserved``) once the buffer is released.
+    Staging memory is claimed from the pool (within its budget) before copying; the buffer goes back to
+    the pool with ``StagingPool.release`` once written.
 
     Raises:
         StateError: The state holds something that cannot be saved; the message names the key.
         BusyError: The staging budget cannot hold this save (now, with ``wait_for_budget=False``, or ever).
     """
     layout = await run_sync(lambda: plan_stage(state, copy=copy, allow_pickle=allow_pickle), limiter)
-    await pool.reserve(layout.total)
+    if not layout.offsets:
+        return copy_stage(layout, pool, Claim(0, False))
+    pinned = any(layout.flat.tensors[i].device.type == "cuda" for i in layout.large)
+    claim = await pool.claim(layout.total, pinned=pinned)
     try:
-        staged = await run_sync(lambda: copy_stage(layout, pool), limiter)
+        return await run_sync(lambda: copy_stage(layout, pool, claim), limiter)
     except BaseException:
-        pool.unreserve(layout.total)
+        pool.notify()  # a failed copy gave its buffer back
         raise
-    staged.reserved = layout.total
-    return staged
+    finally:
+        pool.forget(claim)  # no-op once taken; the buffer then travels with the Staged result
