@@ -437,4 +437,5 @@ class Checkpointer:
         with anyio.CancelScope(shield=True):
             await self.wait()
         self._closed = True
-        await run_sync(self._pool.close)
+        with anyio.CancelScope(shield=True):
+            await run_sync(self._pool.close)

@@ -28,6 +28,18 @@ async def run_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = 
     return await anyio.to_thread.run_sync(fn, limiter=limiter)
 
 
+async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
+    """Like :func:`run_sync`, for a call that returns a resource (a buffer, a file, a temp dir).
+
+    A cancelled ``run_sync`` still waits for its thread but then drops the result, which would leak the
+    resource. Here the call is shielded, so the caller always receives the result and owns its clean-up;
+    a pending cancellation is delivered at the caller's next checkpoint instead.
+    """
+    with anyio.CancelScope(shield=True):
+        result = await anyio.to_thread.run_sync(fn, limiter=limiter)
+    return result
+
+
 async def run_workers(
     work: Callable[[threading.Event], None], count: int, limiter: anyio.CapacityLimiter | None = None
 ) -> None:

@@ -24,7 +24,7 @@ from .._gc import paused
 from .._handle import Metadata, SaveMetrics, SaveState
 from .._memory import StagingPool
 from .._options import IOConfig
-from .._threads import run_sync
+from .._threads import acquire_sync, run_sync
 from .._world import World
 from ._finish import build_manifest, commit, encode_manifest
 from ._global_plan import GlobalPlan, global_plan
@@ -103,7 +103,9 @@ async def _give_back(pool: StagingPool, staged: Staged, limiter: anyio.CapacityL
     if staged.buffer is not None:
         box = [staged.buffer]
         staged.buffer = None
-        await run_sync(lambda: pool.release(box.pop()), limiter)
+        # Shielded: a cancellation must not stop the hand-back after the buffer left `staged`.
+        with anyio.CancelScope(shield=True):
+            await run_sync(lambda: pool.release(box.pop()), limiter)
         pool.notify()
 
 
@@ -187,7 +189,7 @@ async def _save(
         metrics.nbytes, metrics.staged_bytes = staged.nbytes, staged.copied
         report(SaveState.STAGED)
         if coordinator:
-            tmp = await run_sync(partial(_prepare_target, req.path), limiter)
+            tmp = await acquire_sync(partial(_prepare_target, req.path), limiter)
         local = await run_sync(partial(_plan_local, world.rank, staged), limiter)
         metrics.phase("local_plan")
 

@@ -16,7 +16,7 @@ import torch
 
 from .._gc import paused
 from .._memory import Claim, StagingPool, byte_view, nbytes_of
-from .._threads import run_sync
+from .._threads import acquire_sync, run_sync
 from .._tree import Flattened, flatten
 
 # Large staged tensors start at multiples of this, so every dtype view of the buffer is aligned.
@@ -160,7 +160,7 @@ async def stage(
     pinned = any(layout.flat.tensors[i].device.type == "cuda" for i in layout.large)
     claim = await pool.claim(layout.total, pinned=pinned)
     try:
-        return await run_sync(lambda: copy_stage(layout, pool, claim), limiter)
+        return await acquire_sync(lambda: copy_stage(layout, pool, claim), limiter)
     except BaseException:
         pool.notify()  # a failed copy gave its buffer back
         raise

@@ -19,7 +19,7 @@ import msgspec
 
 from .._errors import StorageError
 from .._runs import Piece, Run, group, split, write_run
-from .._threads import Aborted, run_sync, run_workers
+from .._threads import Aborted, acquire_sync, run_sync, run_workers
 from ._global_plan import RankPlan
 
 
@@ -92,7 +92,7 @@ async def write(
             write_run(fd, run)
 
     try:
-        fd = await run_sync(open_file, limiter)
+        fd = await acquire_sync(open_file, limiter)
         await run_workers(worker, min(threads, max(1, len(runs))), limiter)
         await run_sync(lambda: os.fsync(fd), limiter)
     except OSError as exc:
