@@ -37,7 +37,7 @@ async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | Non
     """
     with anyio.CancelScope(shield=True):
         result = await anyio.to_thread.run_sync(fn, limiter=limiter)
-    return result
+    return result  # noqa: RET504 (mypy sees the shielded scope as able to swallow a return)
 
 
 async def run_workers(
