@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 MATCHES = "resumed run matches uninterrupted run: True"
 
@@ -77,3 +79,41 @@ def test_sync_loop(tmp_path: Path) -> None:
     # The save of step 60 was in flight at the interruption; leaving the with block finished it.
     assert resumed_step(out) == 60
     assert (root / "latest").read_text().strip() == "step-00000100"
+
+
+def test_rl_learner_and_actors(tmp_path: Path) -> None:
+    output = run_example("rl_learner_actor.py", "--root", str(tmp_path / "root"), "--steps", "60")
+    assert "all processes finished" in output
+    for actor in ("actor-1", "actor-2"):
+        found = re.search(
+            rf"{actor}: versions seen \[([\d, ]+)\]; \d+ hot-loads; loop lag p99 [\d.]+ ms", output
+        )
+        assert found, output
+        versions = [int(v) for v in found.group(1).split(",")]
+        assert versions == sorted(set(versions)), f"{actor} saw versions out of order: {versions}"
+        assert versions[-1] == 60, output
+
+
+@pytest.mark.dist
+def test_distributed_train_with_torchrun_resumes(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+
+    def launch(*extra: str) -> str:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             str(REPO / "examples" / "distributed_train.py"), "--root", str(root), "--steps", "30",
+             "--save-every", "10", *extra],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False,
+        )  # fmt: skip
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, output
+        return output
+
+    first = launch("--stop-at", "25")
+    assert "starting from scratch" in first
+    assert "stopping at step 25" in first
+    second = launch()
+    assert "resumed from step 20" in second
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000020", "step-00000030"]
+    assert (root / "latest").read_text().strip() == "step-00000030"
