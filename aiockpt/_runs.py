@@ -99,6 +99,15 @@ def _iov(run: Run, gap: memoryview) -> list[memoryview]:
     return iov
 
 
+def _consume(iov: list[memoryview], done: int) -> None:
+    """Drop the first ``done`` bytes from ``iov`` after a short vectored call."""
+    while iov and done >= len(iov[0]):
+        done -= len(iov[0])
+        iov.pop(0)
+    if iov and done:
+        iov[0] = iov[0][done:]
+
+
 def write_run(fd: int, run: Run) -> None:
     """Write a run at its offset, zero-filling gaps; retries short writes."""
     iov = _iov(run, _ZEROS)
@@ -106,11 +115,7 @@ def write_run(fd: int, run: Run) -> None:
     while iov:
         done = os.pwritev(fd, iov, offset)
         offset += done
-        while iov and done >= len(iov[0]):
-            done -= len(iov[0])
-            iov.pop(0)
-        if iov and done:
-            iov[0] = iov[0][done:]
+        _consume(iov, done)
 
 
 def read_run(fd: int, run: Run, scratch: memoryview) -> int:
@@ -124,9 +129,5 @@ def read_run(fd: int, run: Run, scratch: memoryview) -> int:
             break
         offset += done
         total += done
-        while iov and done >= len(iov[0]):
-            done -= len(iov[0])
-            iov.pop(0)
-        if iov and done:
-            iov[0] = iov[0][done:]
+        _consume(iov, done)
     return total
