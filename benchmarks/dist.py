@@ -52,21 +52,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+# The suite's own barriers and reductions use a group of their own: DCP's async_save runs collectives on
+# the default group from a background thread, and sharing that group would interleave with them.
+_SYNC: list[dist.ProcessGroup] = []
+
+
 async def _timed(results: Results, name: str, fn: Callable[[], Awaitable[object]]) -> object:
-    dist.barrier()
+    dist.barrier(group=_SYNC[0])
     start = time.perf_counter()
     out = await fn()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=_SYNC[0])
     results.setdefault(name, []).append(float(elapsed.item()))
     return out
 
 
 def _drop(path: Path) -> None:
-    dist.barrier()
+    dist.barrier(group=_SYNC[0])
     if dist.get_rank() == 0 and path.exists():
         drop_cache(path)
-    dist.barrier()
+    dist.barrier(group=_SYNC[0])
 
 
 async def _rounds(rank: int, world: int, args: argparse.Namespace) -> Results:
@@ -149,7 +154,7 @@ async def _rounds(rank: int, world: int, args: argparse.Namespace) -> Results:
             dcp_load_fn(template, checkpoint_id=str(dpath))
 
         await _timed(results, "DCP load (cold)", dcp_load)
-        dist.barrier()
+        dist.barrier(group=_SYNC[0])
         if rank == 0:
             for p in (path, dpath, scratch / f"dcp-async-{rnd}"):
                 shutil.rmtree(p, ignore_errors=True)
@@ -163,6 +168,7 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, queue: 
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(minutes=10)
     )
+    _SYNC.append(dist.new_group(backend="gloo"))
     try:
         results = asyncio.run(_rounds(rank, world, args))
         if rank == 0:
