@@ -1,88 +1,126 @@
 r"""Data-parallel FSDP2 training on CPU, launched by torchrun, with async checkpoints and resume.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/distributed_train.py \\
+    python -m torch.distributed.run --standalone --nproc-per-node 2 examples/distributed_train.py \
         --root /tmp/dist-ckpt --steps 40 --save-every 10
 
-Each rank trains a ``fully_shard``-ed MLP on its own slice of a synthetic dataset (gloo, CPU). Every
-``--save-every`` steps all ranks call ``await ckpt.save(state, step=step, async_op=True)``: the call
-returns once this rank's shards are staged, training goes on, and rank 0 publishes the checkpoint once
-every rank has written its part. On start, ``await ckpt.load(state)`` resumes from the latest committed
-step, into whatever world size this launch has. ``--stop-at`` ends a launch early, as a preemption would;
-launching again resumes.
+Every rank runs the same asyncio loop on a ``fully_shard``-ed MLP (gloo, CPU), training on its own shard of
+a synthetic regression dataset. The forward/backward/optimizer step runs in a worker thread, so the event
+loop stays free to drive the checkpoint in flight.
+
+* Every ``--save-every`` steps all ranks call ``await ckpt.save(state, step=step, async_op=True)`` with the
+  same step (saves are collective): the call returns once this rank's shards are *staged* (copied aside),
+  training goes on, each rank writes its own shards and rank 0 publishes the checkpoint once every rank has
+  written its part. The previous save is awaited before the next one starts.
+* On start, ``step = await ckpt.load(state)`` restores the latest committed step (model and AdamW state
+  are DTensor shards; they load into whatever world size this launch has), or returns ``None``.
+* ``--stop-at`` ends a launch early, as a preemption would (the save in flight still completes); launching
+  again resumes from the last committed step.
+
+Rank 0 prints the progress: the global loss, how long each save took to stage (the training stall) and to
+become durable.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.nn import functional as F
 
 import aiockpt
 
+FEATURES, HIDDEN, BATCH, SAMPLES = 16, 64, 32, 4096
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step * 1000 + rank)
-    x = torch.randn(32, 16, generator=gen)
-    return x, x.sin().sum(dim=1, keepdim=True)
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole synthetic dataset, the same on every rank: y = sin(2 x.w) for a fixed w."""
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES, FEATURES, generator=gen)
+    w = torch.randn(FEATURES, 1, generator=gen) / FEATURES**0.5
+    return x, torch.sin(2 * x @ w)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
 
 
 async def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same initial weights on every rank, before sharding
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, 1))
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state: dict[str, object] = {"model": model, "optim": optim, "step": 0}
+
+    xs, ys = dataset()
+    xs, ys = xs[rank::world], ys[rank::world]  # this rank's shard of the data
+
+    def train_step(step: int) -> float:
+        """One step on this rank's batch number ``step``; returns the loss averaged over all ranks.
+
+        The batch is a function of ``step``, so a resumed run trains on the very batches it would have.
+        """
+        rows = torch.arange((step - 1) * BATCH, step * BATCH) % len(xs)
+        loss = F.mse_loss(model(xs[rows]), ys[rows])
+        optim.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch; FSDP2 reduce-scatters here
+        optim.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # gloo has no AVG: sum, then divide
+        return total.item() / world
 
     def say(msg: str) -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    async with aiockpt.Checkpointer(args.root, keep_last=2) as ckpt:
-        resumed = await ckpt.load(state)
-        start = 0 if resumed is None else int(state["step"])  # type: ignore[call-overload]
+    async def durable(handle: aiockpt.SaveHandle) -> None:
+        """Wait until the save is committed on every rank, then say what it cost."""
+        meta = await handle  # the checkpoint's Metadata, or the save's error
+        phases = ", ".join(f"{k} {ms(meta.timings[k])}" for k in ("stage", "write", "finish"))
         say(
-            f"world size {world}: "
-            + ("starting from scratch" if resumed is None else f"resumed from step {start}")
+            f"  checkpoint {meta.step} durable {ms(handle.metrics.total_seconds)} after the call "
+            f"({phases}); {meta.nbytes} bytes from {meta.world_size} rank{'s' * (meta.world_size > 1)}"
         )
-        handle: aiockpt.SaveHandle | None = None
+
+    async with aiockpt.Checkpointer(args.root, keep_last=2) as ckpt:
+        resumed = await ckpt.load(state)  # the latest committed step, or None
+        start = 0 if resumed is None else resumed
+        how = "starting from scratch" if resumed is None else f"resumed from step {start}"
+        say(f"world size {world}: {how}")
+        pending: aiockpt.SaveHandle | None = None  # the save in flight
         for step in range(start + 1, args.steps + 1):
-            x, y = batch(step, rank)
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
-            optim.step()
-            optim.zero_grad()
+            loss = await asyncio.to_thread(train_step, step)
             state["step"] = step
             if step % args.save_every == 0:
-                if handle is not None:
-                    await handle  # one save in flight at a time
-                t0 = time.perf_counter()
-                handle = await ckpt.save(state, step=step, async_op=True)
-                staged_ms = (time.perf_counter() - t0) * 1e3
-                say(f"step {step:4d}  loss {loss.item():.5f}  save staged in {staged_ms:.1f} ms")
+                if pending is not None:
+                    await durable(pending)  # one save in flight at a time
+                pending = await ckpt.save(state, step=step, async_op=True)  # every rank, the same step
+                say(
+                    f"step {step:4d}  loss {loss:.5f}  save started: staged in "
+                    f"{ms(pending.metrics.staging_seconds)}, written in the background"
+                )
             if step == args.stop_at:
                 say(f"stopping at step {step} (as if preempted)")
                 break
-        if handle is not None:
-            meta = await handle
-            say(f"last checkpoint: step {meta.step}, {meta.nbytes} bytes, written by {meta.world_size} ranks")
+        if pending is not None:
+            await durable(pending)
         say(f"committed steps: {ckpt.steps()}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", required=True)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--save-every", type=int, default=10)
-    parser.add_argument("--stop-at", type=int, default=0)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--root", required=True, help="checkpoint root directory (shared by all ranks)")
+    parser.add_argument("--steps", type=int, default=40, help="train up to this step")
+    parser.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
+    parser.add_argument("--stop-at", type=int, default=0, help="end this launch after that step")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     try:
         asyncio.run(train(args))
     finally:

@@ -100,20 +100,36 @@ def test_distributed_train_with_torchrun_resumes(tmp_path: Path) -> None:
 
     def launch(*extra: str) -> str:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        example = str(REPO / "examples" / "distributed_train.py")
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        args = ["--root", str(root), "--steps", "40", "--save-every", "10", *extra]
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             str(REPO / "examples" / "distributed_train.py"), "--root", str(root), "--steps", "30",
-             "--save-every", "10", *extra],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False,
-        )  # fmt: skip
+            [*torchrun, example, *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         output = proc.stdout + proc.stderr
-        assert proc.returncode == 0, output
+        assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{output}"
         return output
 
+    def committed() -> list[str]:
+        return sorted(p.name for p in root.iterdir())
+
+    # Interrupted after step 25: the save of step 20 was in flight and completed before the launch ended.
     first = launch("--stop-at", "25")
-    assert "starting from scratch" in first
+    assert "world size 2: starting from scratch" in first
     assert "stopping at step 25" in first
+    assert "checkpoint 20 durable" in first
+    assert committed() == ["latest", "step-00000010", "step-00000020"]
+
+    # The second launch resumes from the last committed step, trains to 40; keep_last=2 pruned the rest.
     second = launch()
-    assert "resumed from step 20" in second
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000020", "step-00000030"]
-    assert (root / "latest").read_text().strip() == "step-00000030"
+    assert resumed_step(second) == 20
+    assert "starting from scratch" not in second
+    assert "checkpoint 40 durable" in second
+    assert committed() == ["latest", "step-00000030", "step-00000040"]
+    assert (root / "latest").read_text().strip() == "step-00000040"
