@@ -14,13 +14,16 @@ REPO = Path(__file__).resolve().parents[1]
 MATCHES = "resumed run matches uninterrupted run: True"
 
 
-def run_example(name: str, *args: str) -> str:
+def run_example(
+    name: str, *args: str, launcher: tuple[str, ...] = (), env_extra: dict[str, str] | None = None
+) -> str:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **(env_extra or {}),
     }
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / name), *args],
+        [sys.executable, *launcher, str(REPO / "examples" / name), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -99,22 +102,10 @@ def test_distributed_train_with_torchrun_resumes(tmp_path: Path) -> None:
     root = tmp_path / "root"
 
     def launch(*extra: str) -> str:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        example = str(REPO / "examples" / "distributed_train.py")
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
         args = ["--root", str(root), "--steps", "40", "--save-every", "10", *extra]
-        proc = subprocess.run(
-            [*torchrun, example, *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"torchrun exited with {proc.returncode}:\n{output}"
-        return output
+        single_threaded = {"OMP_NUM_THREADS": "1"}
+        return run_example("distributed_train.py", *args, launcher=torchrun, env_extra=single_threaded)
 
     def committed() -> list[str]:
         return sorted(p.name for p in root.iterdir())
