@@ -7,7 +7,10 @@ calls; they run one at a time on a single thread per group, in call order, so th
 blocks and every rank issues them in the same order. Payloads are msgspec bytes, never pickle.
 
 A collective that fails or times out (a dead or stuck rank) raises :class:`DistributedError`, and the
-group is marked broken: later checkpoint collectives on it fail at once instead of hanging.
+group is marked broken: later checkpoint collectives on it fail at once instead of hanging. To name the
+culprit, each rank marks its arrival at every collective in the job's key-value store (the one
+``init_process_group`` rendezvoused through) before entering it; when a collective fails, the ranks whose
+mark is missing are the ones that never reached it (dead, hung, or diverged).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
 
 from ._errors import DistributedError
 from ._memory import byte_view
@@ -49,6 +53,8 @@ class DistWorld:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiockpt-collectives")
         self._broken: str | None = None
         self._lock = threading.Lock()
+        self._arrivals = _arrival_store(self._pg)
+        self._seq = 0  # collectives begun; identical on every rank since they run in the same order
 
     def __repr__(self) -> str:
         return f"<DistWorld rank={self.rank} size={self.size}>"
@@ -76,14 +82,55 @@ class DistWorld:
                 f"checkpoint collective {what!r} refused on rank {self.rank}: the checkpoint group broke "
                 f"earlier ({self._broken})"
             )
+        seq, self._seq = self._seq, self._seq + 1
+        self._mark(seq)
         try:
-            return _all_gather_bytes(payload, self._pg, self.size)
+            gathered = _all_gather_bytes(payload, self._pg, self.size)
         except Exception as exc:
             self._broken = f"{what}: {exc}"
+            absent = self._absent(seq)
+            culprits = (
+                f"rank(s) {', '.join(map(str, absent))} never reached it (dead, hung or diverged)"
+                if absent
+                else "every rank reached it, so one died or hung inside it"
+            )
             raise DistributedError(
                 f"checkpoint collective {what!r} failed on rank {self.rank} of {self.size} "
-                f"(timeout {self.timeout:g} s): a rank died, hung or diverged: {exc}"
+                f"(timeout {self.timeout:g} s): {culprits}: {exc}",
+                ranks=absent,
             ) from exc
+        if seq:
+            # Every rank has reached `seq`, so none can still ask about `seq - 1`.
+            self._unmark(seq - 1)
+        return gathered
+
+    def _key(self, seq: int, rank: int) -> str:
+        return f"{seq}/{rank}"
+
+    def _mark(self, seq: int) -> None:
+        if self._arrivals is None:
+            return
+        try:
+            self._arrivals.set(self._key(seq, self.rank), "1")
+        except Exception:  # best effort: a store that is gone only costs the diagnosis
+            self._arrivals = None
+
+    def _unmark(self, seq: int) -> None:
+        if self._arrivals is None:
+            return
+        try:
+            self._arrivals.delete_key(self._key(seq, self.rank))
+        except Exception:
+            self._arrivals = None
+
+    def _absent(self, seq: int) -> list[int]:
+        """The ranks that never marked their arrival at collective ``seq`` (empty if unknown)."""
+        if self._arrivals is None:
+            return []
+        try:
+            return [r for r in range(self.size) if not self._arrivals.check([self._key(seq, r)])]
+        except Exception:  # the store lived on a rank that died: the culprits stay unnamed
+            return []
 
     def close(self) -> None:
         """Stop the collective thread (the gloo group lives as long as the process group does)."""
@@ -102,6 +149,19 @@ def _all_gather_bytes(payload: bytes, pg: dist.ProcessGroup, size: int) -> list[
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(outs, mine, group=pg)
     return [bytes(byte_view(o)[:length]) for o, length in zip(outs, lengths, strict=True)]
+
+
+def _arrival_store(pg: dist.ProcessGroup) -> Store | None:
+    """A namespace of the job's store for the arrival marks of ``pg``'s collectives, if there is a store.
+
+    The gloo group's name is the same on every rank and unique in the job, so marks of different groups
+    (or of a group created again with another timeout) never mix.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group (only an explicit one): collectives work, culprits go unnamed
+        return None
+    return PrefixStore(f"aiockpt/arrivals/{pg.group_name}/", store)
 
 
 _worlds: dict[int, DistWorld] = {}

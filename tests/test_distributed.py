@@ -201,7 +201,9 @@ def test_a_rank_killed_mid_save_gives_an_error_not_a_hang(tmp_path: Path) -> Non
     parent = tmp_path / "out"
     results = run_world(_fail_in_write, 2, tmp_path, str(parent / "ckpt"), "kill", expect_failure={1})
     assert results[1] is None
-    assert results[0].startswith("DistributedError"), results[0]
+    # Rank 0 names the dead rank: rank 1 never marked its arrival at the vote.
+    assert results[0].startswith("DistributedError ranks=[1]"), results[0]
+    assert "rank(s) 1 never reached it" in results[0]
     _no_trace(parent)
 
 
