@@ -1,0 +1,88 @@
+"""A Griffe extension that turns the Sphinx roles of aiockpt's docstrings into Markdown for mkdocstrings.
+
+The docstrings are Google style but name other objects with Sphinx roles (``:class:`SaveHandle```,
+``:meth:`aclose```), which Markdown would show verbatim. Before a docstring is parsed, each role becomes a
+cross-reference when its target is rendered in the API reference (a public name of ``aiockpt`` or
+``aiockpt.sync``, or a public method or property of one), and inline code otherwise (internals, data
+attributes): a link is only made where mkdocs ``--strict`` can resolve it.
+
+Used by ``mkdocs.yml`` (``plugins: mkdocstrings: handlers: python: options: extensions``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from typing import Any
+
+import griffe
+
+_ROLE = re.compile(r":(?:class|meth|func|attr|data|exc|obj|mod):`(?P<target>[^`]+)`")
+
+
+def _public(path: str) -> bool:
+    """Whether ``path`` (``aiockpt.X``, ``aiockpt.X.member``, ``aiockpt.sync.X``) is rendered.
+
+    That is: every step is public and in its module's ``__all__``, and a final class member is a
+    method, a property or a class (data attributes have no entry of their own).
+    """
+    parts = path.split(".")
+    if parts[0] != "aiockpt" or any(p.startswith("_") for p in parts):
+        return False
+    obj: Any = importlib.import_module("aiockpt")
+    for i, part in enumerate(parts[1:], start=1):
+        if inspect.ismodule(obj):
+            if part not in getattr(obj, "__all__", ()):
+                return False
+            obj = getattr(obj, part)
+        elif inspect.isclass(obj):
+            member = inspect.getattr_static(obj, part, None)
+            if member is None or i != len(parts) - 1:
+                return False
+            documented = (property, type, staticmethod, classmethod)
+            return inspect.isroutine(member) or isinstance(member, documented)
+        else:
+            return False
+    return True
+
+
+def _public_home(obj: griffe.Object) -> str | None:
+    """The public path of the class that ``obj`` is or belongs to (``aiockpt.Checkpointer``), if any."""
+    cls = obj if obj.is_class else obj.parent
+    if cls is None or not cls.is_class or cls.parent is None:
+        return None
+    module = cls.parent.path
+    candidates = ("aiockpt.sync." + cls.name,) if module == "aiockpt.sync" else ("aiockpt." + cls.name,)
+    return next((c for c in candidates if _public(c)), None)
+
+
+def rewrite(text: str, obj: griffe.Object) -> str:
+    """Replace the Sphinx roles of docstring ``text`` (of ``obj``) by Markdown references or code."""
+
+    def replace(match: re.Match[str]) -> str:
+        raw = match["target"]
+        short = raw.startswith("~")
+        target = raw.lstrip("~").lstrip(".")
+        shown = target.rsplit(".", 1)[-1] if short else target
+        home = _public_home(obj)
+        for candidate in (
+            target,
+            f"aiockpt.{target}",
+            f"aiockpt.sync.{target}" if obj.path.startswith("aiockpt.sync") else "",
+            f"{home}.{target}" if home else "",
+        ):
+            if candidate and _public(candidate):
+                return f"[`{shown}`][{candidate}]"
+        return f"`{shown}`"
+
+    return _ROLE.sub(replace, text)
+
+
+class SphinxRoles(griffe.Extension):
+    """Rewrite the roles of every docstring as its object is loaded."""
+
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        """Rewrite ``obj``'s docstring, if it has one."""
+        if obj.docstring is not None:
+            obj.docstring.value = rewrite(obj.docstring.value, obj)
