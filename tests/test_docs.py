@@ -36,11 +36,21 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 NO_RUN = "<!-- no-run -->"
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`\n]*)$")
 
-PageSetup = Callable[[Path], AbstractAsyncContextManager[Mapping[str, object]]]
-"""Given the page's working directory, an async context manager that prepares what the page needs for
-the duration of its test and yields extra names for the page's namespace."""
+PageSetup = Callable[[Path, pytest.MonkeyPatch], AbstractAsyncContextManager[Mapping[str, object]]]
+"""Given the page's working directory and the test's monkeypatch (environment variables set through it
+are restored after the page), an async context manager that prepares what the page needs for the
+duration of its test and yields extra names for the page's namespace."""
 
 # Page (path relative to docs/, POSIX separators) -> its setup hook. A page without one gets nothing.
+# For example, a page whose samples talk to a local S3 server:
+#
+#     @contextlib.asynccontextmanager
+#     async def s3_page(workdir: Path, mp: pytest.MonkeyPatch) -> AsyncIterator[Mapping[str, object]]:
+#         async with local_s3_server() as endpoint:          # 127.0.0.1 only, stopped on exit
+#             mp.setenv("AWS_ENDPOINT_URL", endpoint)
+#             yield {"endpoint": endpoint}
+#
+#     PAGE_SETUP["object-storage.md"] = s3_page
 PAGE_SETUP: dict[str, PageSetup] = {}
 
 
@@ -138,7 +148,7 @@ async def run_page(page: Path, name: str, namespace: dict[str, object]) -> int:
 
 
 @contextlib.asynccontextmanager
-async def no_setup(workdir: Path) -> AsyncIterator[Mapping[str, object]]:
+async def no_setup(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Mapping[str, object]]:
     yield {}
 
 
@@ -157,7 +167,7 @@ async def test_page(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     workdir.mkdir()
     monkeypatch.chdir(workdir)
     setup = PAGE_SETUP.get(name, no_setup)
-    async with setup(workdir) as extra:
+    async with setup(workdir, monkeypatch) as extra:
         namespace: dict[str, object] = {"__name__": "__main__", "__builtins__": builtins, **extra}
         ran = await run_page(page, f"docs/{name}", namespace)
     blocks = [b for b in parse_blocks(page.read_text(encoding="utf-8")) if b.lang == "python"]
