@@ -1,10 +1,14 @@
 """A Griffe extension that turns the Sphinx roles of aiockpt's docstrings into Markdown for mkdocstrings.
 
-The docstrings are Google style but name other objects with Sphinx roles (``:class:`SaveHandle```,
-``:meth:`aclose```), which Markdown would show verbatim. Before a docstring is parsed, each role becomes a
-cross-reference when its target is rendered in the API reference (a public name of ``aiockpt`` or
-``aiockpt.sync``, or a public method or property of one), and inline code otherwise (internals, data
-attributes): a link is only made where mkdocs ``--strict`` can resolve it.
+The docstrings are Google style but use two pieces of reStructuredText that Markdown would show verbatim.
+Before a docstring is parsed:
+
+- each Sphinx role (``:class:`SaveHandle```, ``:meth:`aclose```) becomes a cross-reference when its
+  target is rendered in the API reference (a public name of ``aiockpt`` or ``aiockpt.sync``, or a public
+  method or property of one), and inline code otherwise (internals, data attributes): a link is only
+  made where mkdocs ``--strict`` can resolve it;
+- a literal block introduced by ``::`` (``Example::`` and an indented sample) becomes a fenced Python
+  block.
 
 Used by ``mkdocs.yml`` (``plugins: mkdocstrings: handlers: python: options: extensions``).
 """
@@ -57,8 +61,38 @@ def _public_home(obj: griffe.Object) -> str | None:
     return next((c for c in candidates if _public(c)), None)
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def fence_literal_blocks(text: str) -> str:
+    """Turn each ``Title::`` + blank line + indented block into ``Title:`` + a fenced python block."""
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.rstrip().endswith("::") and i + 1 < len(lines) and not lines[i + 1].strip():
+            j = i + 2
+            while j < len(lines) and (not lines[j].strip() or _indent(lines[j]) > _indent(line)):
+                j += 1
+            while j > i + 2 and not lines[j - 1].strip():
+                j -= 1
+            block = lines[i + 2 : j]
+            if block:
+                # Dedented to the introducing line: kept indented, Markdown would see an indented block.
+                cut = min(_indent(b) for b in block if b.strip()) - _indent(line)
+                pad = " " * _indent(line)
+                out += [line.rstrip()[:-1], "", pad + "```python", *(b[cut:] for b in block), pad + "```"]
+                i = j
+                continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
 def rewrite(text: str, obj: griffe.Object) -> str:
-    """Replace the Sphinx roles of docstring ``text`` (of ``obj``) by Markdown references or code."""
+    """Rewrite the reStructuredText of docstring ``text`` (of ``obj``) as Markdown (module docstring)."""
 
     def replace(match: re.Match[str]) -> str:
         raw = match["target"]
@@ -76,7 +110,7 @@ def rewrite(text: str, obj: griffe.Object) -> str:
                 return f"[`{shown}`][{candidate}]"
         return f"`{shown}`"
 
-    return _ROLE.sub(replace, text)
+    return _ROLE.sub(replace, fence_literal_blocks(text))
 
 
 class SphinxRoles(griffe.Extension):
