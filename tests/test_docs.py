@@ -6,11 +6,11 @@ directory, the way a reader would paste them into a Python session:
 - a block with a top-level ``await`` (or ``async with``/``async for``) is compiled with
   ``PyCF_ALLOW_TOP_LEVEL_AWAIT`` and awaited on the test's event loop, as in ``python -m asyncio``;
 - a block without one runs in a worker thread, outside any event loop, as a plain script does (the
-  blocking ``aiockpt.sync`` facade refuses to run inside a running loop, on purpose).
+  module-level ``aiockpt.sync`` functions refuse to run inside a running loop, on purpose).
 
 A block is skipped only when the line directly above its opening fence is ``<!-- no-run -->`` (samples
-that need torchrun or several processes). Failures name the page and the line of the block's fence;
-tracebacks point at the page's own line numbers.
+that need torchrun or several processes); it is still compiled, so it must be valid Python. Failures
+name the page and the line of the block's fence; tracebacks point at the page's own line numbers.
 
 Pages that need a fixture (a server, credentials) get one from :data:`PAGE_SETUP`.
 """
@@ -127,10 +127,12 @@ async def run_page(page: Path, name: str, namespace: dict[str, object]) -> int:
     """
     ran = 0
     for block in parse_blocks(page.read_text(encoding="utf-8")):
-        if block.lang != "python" or not block.run:
+        if block.lang != "python":
             continue
         try:
-            code = compile_block(block, page)
+            code = compile_block(block, page)  # no-run blocks must at least be valid Python
+            if not block.run:
+                continue
             if code.co_flags & inspect.CO_COROUTINE:
                 result = eval(code, namespace)
                 assert inspect.iscoroutine(result)
@@ -243,6 +245,13 @@ async def test_blocks_without_await_run_outside_the_event_loop(tmp_path: Path) -
     await run_page(page, "sync.md", namespace)
     assert namespace["inside"] is False
     assert namespace["later"] is True
+
+
+async def test_a_no_run_block_must_still_be_valid_python(tmp_path: Path) -> None:
+    page = tmp_path / "typo.md"
+    page.write_text("<!-- no-run -->\n```python\nimport torch.distributed as dist\ndist.init(\n```\n")
+    with pytest.raises(pytest.fail.Exception, match=r"typo\.md: the python block at line 2 failed"):
+        await run_page(page, "typo.md", {"__builtins__": builtins})
 
 
 async def test_a_failing_block_is_reported_with_its_page_and_line(tmp_path: Path) -> None:
