@@ -112,6 +112,14 @@ def s3_server() -> Iterator[S3Server]:
             proc.wait(10)
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that hung up is no news
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 class FaultProxy:
     """An HTTP proxy in front of ``upstream`` that fails UploadPart requests with ``503 SlowDown``.
 
@@ -120,6 +128,7 @@ class FaultProxy:
         pass_then_fail: When set, pass this many UploadPart requests, then fail every later one.
         failed: UploadPart requests failed so far.
         passed: UploadPart requests forwarded so far.
+        delay: Seconds each forwarded UploadPart request waits first (a slow link).
     """
 
     def __init__(self, upstream: str) -> None:
@@ -128,9 +137,9 @@ class FaultProxy:
         self.pass_then_fail: int | None = None
         self.failed = 0
         self.passed = 0
-        self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._server.daemon_threads = True
+        self.delay = 0.0
+        self._lock = threading.Condition()
+        self._server = _Server(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
@@ -156,7 +165,13 @@ class FaultProxy:
                 self.failed += 1
                 return True
             self.passed += 1
+            self._lock.notify_all()
             return False
+
+    def wait_passed(self, count: int, timeout: float) -> bool:
+        """Block until ``count`` UploadPart requests were forwarded; ``False`` on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.passed >= count, timeout)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
@@ -178,6 +193,8 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(reply)
                     return
+                if self.command == "PUT" and "partNumber=" in self.path:
+                    time.sleep(proxy.delay)
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}

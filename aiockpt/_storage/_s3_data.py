@@ -17,6 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 import crc32c
 import obstore
 import torch
@@ -56,6 +57,73 @@ def _body(pieces: Sequence[Piece], nbytes: int) -> list[memoryview]:
         pos = p.offset + len(p.view)
     pad(nbytes - pos)
     return body
+
+
+class _Stopped(Exception):
+    """Raised into the client by :class:`_Body` so that it aborts the multipart upload."""
+
+
+class _Body:
+    """The views of a data object, fed to the client one by one, until ``stop`` is set.
+
+    Dropping a running upload (cancelling the client's future) would leave its multipart upload open on
+    the server; failing its input instead makes the client abort it, as it does after any error.
+    """
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views = iter(views)
+        self.stop = False
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> memoryview:
+        if self.stop:
+            raise _Stopped("the save was cancelled")
+        try:
+            return next(self._views)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+
+async def _put(path: S3Path, key: str, views: list[memoryview], nbytes: int) -> None:
+    """Upload ``views`` as object ``key``; on cancellation, abort the upload before propagating it.
+
+    The client's request runs shielded; a watcher task sees the cancellation and stops the body, the
+    client aborts the multipart upload and fails, and the pending cancellation is then delivered.
+    """
+    opts = path.options
+    body = _Body(views)
+    done = anyio.Event()
+
+    async def watch() -> None:
+        try:
+            await done.wait()
+        except anyio.get_cancelled_exc_class():
+            body.stop = True
+            raise
+
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        try:
+            with anyio.CancelScope(shield=True):
+                await obstore.put_async(
+                    store(path),
+                    key,
+                    body,
+                    use_multipart=nbytes > opts.part_size,
+                    chunk_size=opts.part_size,
+                    max_concurrency=opts.concurrency,
+                )
+        except Exception as exc:  # raised below, outside the task group (not in an exception group)
+            failure = exc
+        finally:
+            done.set()
+    if failure is not None:
+        if body.stop:
+            await anyio.lowlevel.checkpoint()  # delivers the cancellation that stopped the body
+        raise failure
 
 
 async def concurrently(worker: Callable[[], Awaitable[None]], count: int) -> None:
@@ -119,17 +187,9 @@ async def upload(
                 sums[p.item][p.block] = crc32c.crc32c(p.view)
 
     await run_workers(checksum, min(threads, max(1, len(runs))), limiter)
-    opts = path.options
     key = (path / plan.file).key
     try:
-        await obstore.put_async(
-            store(path),
-            key,
-            _body(pieces, plan.nbytes),
-            use_multipart=plan.nbytes > opts.part_size,
-            chunk_size=opts.part_size,
-            max_concurrency=opts.concurrency,
-        )
+        await _put(path, key, _body(pieces, plan.nbytes), plan.nbytes)
         size = (await obstore.head_async(store(path), key))["size"]
     except ERRORS as exc:
         raise _failed("upload", where, exc) from exc
