@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
@@ -36,6 +38,8 @@ from aiockpt import (
 )
 from aiockpt._storage import S3Path, resolve
 from aiockpt._storage._s3 import S3Target
+
+from distributed_util import run_world
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -327,6 +331,33 @@ async def test_cancelled_upload_leaves_nothing(server: S3Server, bucket: str) ->
     assert server.multipart_uploads(bucket) == 0  # aborted, not dropped
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         await aiockpt.read(url)
+
+
+async def _save_sharded(rank: int, world: int, url: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(BIG * world, dtype=torch.float32)
+    meta = await aiockpt.save(
+        {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 7}, url, io=IO, s3=OPTS
+    )
+    target = {"w": distribute_tensor(torch.zeros(BIG * world), mesh, [Shard(0)]), "step": 0}
+    await aiockpt.load(target, url, s3=OPTS)
+    loaded = target["w"]
+    assert isinstance(loaded, DTensor)
+    assert torch.equal(loaded.to_local(), full.chunk(world)[rank])
+    assert target["step"] == 7
+    return [f.name for f in meta.files]
+
+
+@pytest.mark.dist
+def test_distributed_save_uploads_one_object_per_rank(bucket: str, tmp_path: Path) -> None:
+    url = f"s3://{bucket}/dist"
+    files = run_world(_save_sharded, 2, tmp_path, url, timeout=60)
+    assert files == [["data-r00000.bin", "data-r00001.bin"]] * 2
+    tree = anyio.run(partial(aiockpt.read, url, s3=OPTS))
+    assert_tree_equal(tree, {"w": torch.arange(BIG * 2, dtype=torch.float32), "step": 7})
 
 
 async def test_bad_urls_and_options() -> None:
