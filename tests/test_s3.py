@@ -25,6 +25,7 @@ from conftest import (
 )
 from obstore.store import S3Store
 from s3_util import FaultProxy, S3Server, s3_server
+from test_event_loop import guard as guard  # the blocking-call detector, as a fixture
 
 import aiockpt
 from aiockpt import (
@@ -358,6 +359,19 @@ def test_distributed_save_uploads_one_object_per_rank(bucket: str, tmp_path: Pat
     assert files == [["data-r00000.bin", "data-r00001.bin"]] * 2
     tree = anyio.run(partial(aiockpt.read, url, s3=OPTS))
     assert_tree_equal(tree, {"w": torch.arange(BIG * 2, dtype=torch.float32), "step": 7})
+
+
+async def test_no_blocking_call_on_the_event_loop(bucket: str, guard: list[str]) -> None:
+    state = {"model": torch.nn.Linear(64, 64), "x": torch.randn(1000).t(), "big": torch.ones(BIG), "n": 1}
+    await aiockpt.save(state, f"s3://{bucket}/a", io=IO, s3=OPTS)
+    await (await aiockpt.save(state, f"s3://{bucket}/b", async_op=True, io=IO, s3=OPTS))
+    await aiockpt.load(state, f"s3://{bucket}/a", s3=OPTS)
+    await aiockpt.read(f"s3://{bucket}/b", s3=OPTS)
+    async with Checkpointer(f"s3://{bucket}/root", keep_last=1, io=IO, s3=OPTS) as ckpt:
+        for step in range(3):
+            await ckpt.save(state, step=step)
+        await ckpt.load(state)
+    assert guard == []
 
 
 async def test_bad_urls_and_options() -> None:
