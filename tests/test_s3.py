@@ -374,6 +374,32 @@ async def test_no_blocking_call_on_the_event_loop(bucket: str, guard: list[str])
     assert guard == []
 
 
+def test_sync_facade(bucket: str) -> None:
+    state: dict[str, object] = {"w": torch.arange(BIG, dtype=torch.float32), "step": 3}
+    aiockpt.sync.save(state, f"s3://{bucket}/sync")  # each call runs its own event loop
+    assert_tree_equal(aiockpt.sync.read(f"s3://{bucket}/sync"), state)
+    with aiockpt.sync.Checkpointer(f"s3://{bucket}/sync-root", keep_last=1) as ckpt:
+        ckpt.save(state, step=1)
+        ckpt.save(state, step=2, async_op=True).result()
+        assert ckpt.steps() == [2]
+        target: dict[str, object] = {"w": torch.zeros(BIG), "step": 0}
+        assert ckpt.load(target) == 2
+    assert_tree_equal(target, state)
+
+
+@pytest.mark.slow
+async def test_large_multipart_upload_through_a_flaky_link(server: S3Server, bucket: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    state = {f"t{i}": random_tensor(torch.bfloat16, (4 << 20,), gen) for i in range(8)}  # 64 MiB
+    opts = S3Options(part_size=1 << 20, concurrency=8)
+    with FaultProxy(server.endpoint) as proxy, server.env(proxy.endpoint):
+        proxy.fail_first = 10
+        await aiockpt.save(state, f"s3://{bucket}/large", s3=opts)
+        assert proxy.failed == 10
+        assert_tree_equal(await aiockpt.read(f"s3://{bucket}/large", s3=opts), state)
+    assert server.multipart_uploads(bucket) == 0
+
+
 async def test_bad_urls_and_options() -> None:
     for bad in ("s3://", "s3://bucket", "s3://bucket/", "s3://bucket/a/../b"):
         with pytest.raises(aiockpt.CheckpointError):
