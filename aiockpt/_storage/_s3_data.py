@@ -25,7 +25,7 @@ import torch
 from .._errors import CorruptionError, StorageError
 from .._format import Manifest
 from .._gc import paused
-from .._load._read import _Read, prepare
+from .._load._read import prepare
 from .._runs import MAX_GAP, Piece, Run, group, split
 from .._save._write import WriteResult, _pieces, blocks
 from .._threads import Aborted, run_sync, run_workers
@@ -34,6 +34,7 @@ from ._s3 import ERRORS, _failed, store, url
 
 if TYPE_CHECKING:
     from .._load._match import Destination
+    from .._load._read import _Read
     from .._save._global_plan import RankPlan
     from . import S3Path
 
