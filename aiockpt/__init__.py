@@ -34,6 +34,7 @@ from ._handle import SaveMetrics as SaveMetrics
 from ._handle import SaveState as SaveState
 from ._options import IOConfig as IOConfig
 from ._preemption import Preemption as Preemption
+from ._storage import S3Options as S3Options
 from ._tree import Stateful as Stateful
 from ._version import __version__ as __version__
 
@@ -53,6 +54,7 @@ __all__ = [
     "Metadata",
     "OnBusy",
     "Preemption",
+    "S3Options",
     "SaveHandle",
     "SaveMetrics",
     "SaveSkippedError",

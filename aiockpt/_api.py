@@ -13,13 +13,13 @@ import anyio
 
 from ._dist import DEFAULT_TIMEOUT
 from ._format import Key, part_dir_name
-from ._fs import absolute
 from ._handle import Metadata, SaveHandle, SaveState
 from ._load import run_load, run_read
 from ._memory import StagingPool
 from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
+from ._storage import S3Options, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, part_of, resolve_world
 
@@ -36,6 +36,7 @@ async def save(
     process_group: ProcessGroup | None = ...,
     collective_timeout: float = ...,
     use_collectives: bool = ...,
+    s3: S3Options | None = ...,
 ) -> Metadata: ...
 
 
@@ -51,6 +52,7 @@ async def save(
     process_group: ProcessGroup | None = ...,
     collective_timeout: float = ...,
     use_collectives: bool = ...,
+    s3: S3Options | None = ...,
 ) -> SaveHandle: ...
 
 
@@ -65,13 +67,15 @@ async def save(
     process_group: ProcessGroup | None = None,
     collective_timeout: float = DEFAULT_TIMEOUT,
     use_collectives: bool = True,
+    s3: S3Options | None = None,
 ) -> Metadata | SaveHandle:
     """Save ``state`` as a new checkpoint directory ``path``.
 
     Args:
         state: A mapping with str keys of tensors, Statefuls (``state_dict()``/``load_state_dict()``),
             nested dicts/lists/tuples and plain values.
-        path: The checkpoint directory to create; it must not exist. Parents are created.
+        path: The checkpoint directory to create; it must not exist. Parents are created. An
+            ``s3://bucket/prefix`` URL saves to an S3-compatible object store instead (``aiockpt[s3]``).
         async_op: Return once the state is staged (copied aside), with a :class:`SaveHandle` to await for
             durability, instead of once the checkpoint is durable.
         allow_pickle: Pickle objects of other types instead of refusing them.
@@ -86,6 +90,7 @@ async def save(
         use_collectives: With ``False`` in a distributed job, each rank saves alone, without any
             collective: it publishes its own part (``path/rank-RRRRR-of-NNNNN``), replicated tensors are
             written by every rank, and the checkpoint counts as committed once every part is there.
+        s3: Object-store settings for an ``s3://`` path (default: from the AWS environment variables).
 
     Returns:
         The checkpoint's :class:`Metadata`, or with ``async_op=True`` a :class:`SaveHandle`.
@@ -96,7 +101,7 @@ async def save(
         StorageError: Writing failed; nothing was published and temp data is removed.
         DistributedError: Another rank failed or did not answer in time (names the ranks).
     """
-    target = absolute(path)
+    target = resolve(path, s3)
     part = part_of(process_group) if not use_collectives else None
     if part is not None:
         target = target / part_dir_name(*part)
@@ -133,6 +138,7 @@ async def load(
     strict: bool = True,
     allow_pickle: bool = False,
     io: IOConfig | None = None,
+    s3: S3Options | None = None,
 ) -> MutableMapping[str, object]:
     """Load the checkpoint at ``path`` into ``state``, in place.
 
@@ -142,12 +148,13 @@ async def load(
 
     Args:
         state: The target: a mutable mapping shaped like the saved state.
-        path: A checkpoint directory.
+        path: A checkpoint directory, or an ``s3://bucket/prefix`` URL.
         strict: Refuse any difference between checkpoint and target (missing or unexpected keys, shape
             or dtype mismatch), listing all of them; with ``False``, load what matches and warn about the
             rest with :class:`StateMismatchWarning`.
         allow_pickle: Unpickle stored objects (only for checkpoints you trust).
         io: I/O tuning.
+        s3: Object-store settings for an ``s3://`` path (default: from the AWS environment variables).
 
     Returns:
         ``state``.
@@ -158,12 +165,16 @@ async def load(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
     """
-    await run_load(state, absolute(path), strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+    await run_load(state, resolve(path, s3), strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
     return state
 
 
 async def read(
-    path: str | os.PathLike[str], *, allow_pickle: bool = False, io: IOConfig | None = None
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    io: IOConfig | None = None,
+    s3: S3Options | None = None,
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` as a fresh nested structure of CPU tensors and plain values.
 
@@ -175,4 +186,4 @@ async def read(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateError: A pickled object is stored and ``allow_pickle`` is false.
     """
-    return await run_read(absolute(path), allow_pickle=allow_pickle, io=io or IOConfig())
+    return await run_read(resolve(path, s3), allow_pickle=allow_pickle, io=io or IOConfig())

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -25,13 +27,14 @@ from ._errors import (
     SaveSkippedError,
 )
 from ._format import Key, part_dir_name
-from ._fs import TMP_PREFIX, absolute, collect_garbage, fsync_dir, remove_tree, replace_durable
+from ._fs import TMP_PREFIX, collect_garbage, fsync_dir, remove_tree, replace_durable
 from ._handle import Metadata, SaveHandle, SaveState
 from ._load import is_checkpoint, run_load, run_read
 from ._memory import StagingPool
 from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
+from ._storage import Location, S3Options, S3Path, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, World, part_of, resolve_world
 
@@ -40,6 +43,14 @@ OnBusy = Literal["wait", "skip", "error"]
 LATEST = "latest"
 _LOAD_ATTEMPTS = 3
 _STEP_RE = re.compile(r"step-(\d+)")
+
+
+async def _exists(path: Location) -> bool:
+    if isinstance(path, S3Path):
+        from ._storage._s3 import committed
+
+        return await committed(path)
+    return await run_sync(path.exists)
 
 
 def step_dir_name(step: int) -> str:
@@ -57,6 +68,25 @@ def _scan(root: Path) -> list[int]:
     return sorted(steps)
 
 
+async def _scan_objects(root: S3Path, *, collect: bool) -> list[int]:
+    """The committed steps under an S3 ``root``; with ``collect``, delete abandoned uncommitted ones.
+
+    A step prefix without a manifest belongs to a save in progress (here or in another process) unless
+    its newest object is older than ``stale_after``: only then is it deleted.
+    """
+    from ._storage._s3 import children, delete
+
+    steps = []
+    horizon = time.time() - root.options.stale_after
+    for name, (done, newest, keys) in (await children(root)).items():
+        m = _STEP_RE.fullmatch(name)
+        if m and done:
+            steps.append(int(m.group(1)))
+        elif m and collect and newest < horizon:
+            await delete(root / name, keys)
+    return sorted(steps)
+
+
 class Checkpointer:
     """Checkpoints of one training run or service under ``root``, one directory per step.
 
@@ -65,7 +95,8 @@ class Checkpointer:
     flight (or cancels them, see :meth:`aclose`) and frees the staging buffers.
 
     Args:
-        root: The directory holding ``step-NNNNNNNN`` checkpoints and the ``latest`` pointer.
+        root: The directory holding ``step-NNNNNNNN`` checkpoints and the ``latest`` pointer, or an
+            ``s3://bucket/prefix`` URL of an S3-compatible object store (``aiockpt[s3]``).
         keep_last: Keep only the newest ``keep_last`` committed steps (``None``: keep all).
         keep_every: Also keep every step divisible by ``keep_every``, permanently.
         max_inflight: Saves allowed in flight at once (staging, writing or committing).
@@ -85,6 +116,7 @@ class Checkpointer:
         use_collectives: With ``False`` in a distributed job, every rank saves its own part of each step
             without any collective (see :func:`aiockpt.save`); a step counts as committed once all parts
             are published, and the rank that completes it updates ``latest`` and prunes.
+        s3: Object-store settings for an ``s3://`` root (default: from the AWS environment variables).
 
     Raises:
         CheckpointError: An argument is out of range, or ``on_busy`` is not ``"wait"`` in a distributed
@@ -105,6 +137,7 @@ class Checkpointer:
         process_group: ProcessGroup | None = None,
         collective_timeout: float = DEFAULT_TIMEOUT,
         use_collectives: bool = True,
+        s3: S3Options | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1 or None, not {keep_last}")
@@ -116,7 +149,7 @@ class Checkpointer:
             raise CheckpointError(f"on_busy must be 'wait', 'skip' or 'error', not {on_busy!r}")
         if staging_budget is not None and staging_budget < 0:
             raise CheckpointError(f"staging_budget must be a byte count or None, not {staging_budget}")
-        self.root = absolute(root)
+        self.root = resolve(root, s3)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.max_inflight = max_inflight
@@ -165,14 +198,18 @@ class Checkpointer:
                 f"on_busy={self.on_busy!r} needs every rank to decide alike; distributed jobs use 'wait'"
             )
         coordinator = self._world.rank == 0
+        root = self.root
 
-        def prepare() -> list[int]:
-            self.root.mkdir(parents=True, exist_ok=True)
+        def prepare(root: Path) -> list[int]:
+            root.mkdir(parents=True, exist_ok=True)
             if coordinator:  # the other ranks would race it
-                collect_garbage(self.root)
-            return _scan(self.root)
+                collect_garbage(root)
+            return _scan(root)
 
-        self._steps = await run_sync(prepare)
+        if isinstance(root, S3Path):
+            self._steps = await _scan_objects(root, collect=coordinator)
+        else:
+            self._steps = await run_sync(partial(prepare, root))
         self._slots = anyio.Semaphore(self.max_inflight)
         self._commit_lock = anyio.Lock()
         self._opened = True
@@ -180,7 +217,11 @@ class Checkpointer:
     async def refresh(self) -> list[int]:
         """Re-read the committed steps from disk (they may have been written by another process)."""
         await self.open()
-        self._steps = await run_sync(lambda: _scan(self.root))
+        root = self.root
+        if isinstance(root, S3Path):
+            self._steps = await _scan_objects(root, collect=False)
+        else:
+            self._steps = await run_sync(lambda: _scan(root))
         return list(self._steps)
 
     def steps(self) -> list[int]:
@@ -191,8 +232,8 @@ class Checkpointer:
         """The newest committed step (see :meth:`steps`), or ``None``."""
         return self._steps[-1] if self._steps else None
 
-    def path_of(self, step: int) -> Path:
-        """The directory of ``step``'s checkpoint."""
+    def path_of(self, step: int) -> Location:
+        """The directory (or object prefix) of ``step``'s checkpoint."""
         return self.root / step_dir_name(step)
 
     # --- Saving -----------------------------------------------------------------------------------------
@@ -294,7 +335,12 @@ class Checkpointer:
         return await handle
 
     async def _after_commit(self, step: int) -> None:
-        if self._part is not None and not await run_sync(lambda: is_checkpoint(self.path_of(step))):
+        path = self.path_of(step)
+        if (
+            self._part is not None
+            and isinstance(path, Path)
+            and not await run_sync(lambda: is_checkpoint(path))
+        ):
             return  # collective-free: the rank that publishes the last part completes the step
         self._steps = sorted({*self._steps, step})
         # Saves may commit concurrently (max_inflight > 1): one at a time updates `latest` and prunes,
@@ -309,20 +355,32 @@ class Checkpointer:
         if self._world.rank != 0:  # rank 0 publishes and prunes; the others only follow in their index
             self._steps = [s for s in self._steps if s not in doomed]
             return
+        root = self.root
+        latest = (step_dir_name(steps[-1]) + "\n").encode()
+        if isinstance(root, S3Path):
+            from ._storage._s3 import put, remove
 
-        def publish() -> None:
-            replace_durable(self.root / LATEST, (step_dir_name(steps[-1]) + "\n").encode())
+            await put(root, LATEST, latest, create=False)
+            for s in doomed:
+                # The manifest goes first: the step stops being a checkpoint at once, and a crash
+                # mid-way leaves an uncommitted prefix that a later open collects.
+                await remove(root / step_dir_name(s))
+            self._steps = [s for s in self._steps if s not in doomed]
+            return
+
+        def publish(root: Path) -> None:
+            replace_durable(root / LATEST, latest)
             for s in doomed:
                 # Renaming first makes the deletion atomic for readers; a crash mid-way leaves only temp
                 # data that the next open collects.
-                trash = self.root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
+                trash = root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
                 with contextlib.suppress(FileNotFoundError):
-                    os.rename(self.path_of(s), trash)
+                    os.rename(root / step_dir_name(s), trash)
                     remove_tree(trash)
             if doomed:
-                fsync_dir(self.root)
+                fsync_dir(root)
 
-        await run_sync(publish)
+        await run_sync(partial(publish, root))
         self._steps = [s for s in self._steps if s not in doomed]
 
     def _doomed(self, steps: list[int]) -> list[int]:
@@ -368,7 +426,7 @@ class Checkpointer:
                 # Another process's retention may delete a step while we start reading it. Every data
                 # file is opened before the first byte lands in `state`, so a vanished step has left
                 # the target untouched: take the newest step again.
-                if await run_sync(path.exists):
+                if await _exists(path):
                     raise
                 if step is not None or attempt == _LOAD_ATTEMPTS - 1:
                     raise CheckpointNotFoundError(

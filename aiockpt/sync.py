@@ -23,6 +23,7 @@ from ._dist import DEFAULT_TIMEOUT
 from ._format import Key
 from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
 from ._options import IOConfig
+from ._storage import Location
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -148,8 +149,8 @@ class Checkpointer:
         self.close()
 
     @property
-    def root(self) -> os.PathLike[str]:
-        """The checkpoint root directory."""
+    def root(self) -> Location:
+        """The checkpoint root directory (or ``s3://`` location)."""
         return self._ckpt.root
 
     @overload

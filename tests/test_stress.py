@@ -221,7 +221,9 @@ async def test_handle_cancel_around_the_commit_point(tmp_path: Path) -> None:
             with contextlib.suppress(CheckpointCancelledError):
                 await handle
             outcomes.add(handle.state)
-            published = ckpt.path_of(step).exists()
+            path = ckpt.path_of(step)
+            assert isinstance(path, Path)
+            published = path.exists()
             if handle.state is SaveState.CANCELLED:
                 assert not published, f"{where}: cancelled, yet {ckpt.path_of(step)} was published"
             else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import MutableMapping
-from pathlib import Path
 from typing import cast
 
 import anyio
@@ -19,6 +18,7 @@ from .._errors import StateError, StateMismatchError, StateMismatchWarning
 from .._format import Key, Manifest
 from .._gc import paused
 from .._options import IOConfig
+from .._storage import Location, S3Path
 from .._threads import run_sync
 from .._tree import render
 from ._manifest import is_checkpoint, read_manifest
@@ -28,10 +28,23 @@ from ._read import read_into
 __all__ = ["is_checkpoint", "read_manifest", "run_load", "run_read"]
 
 
+async def _manifest(path: Location, limiter: anyio.CapacityLimiter | None) -> Manifest:
+    if isinstance(path, S3Path):
+        from .._storage._s3 import read_manifest as read_object_manifest
+
+        return await read_object_manifest(path)
+    return await run_sync(lambda: read_manifest(path), limiter)
+
+
 async def _fill(
-    path: Path, manifest: Manifest, plan: LoadPlan, io: IOConfig, limiter: anyio.CapacityLimiter | None
+    path: Location, manifest: Manifest, plan: LoadPlan, io: IOConfig, limiter: anyio.CapacityLimiter | None
 ) -> None:
-    await read_into(path, manifest, plan.destinations, threads=io.threads, limiter=limiter)
+    if isinstance(path, S3Path):
+        from .._storage._s3_data import download
+
+        await download(path, manifest, plan.destinations, limiter=limiter)
+    else:
+        await read_into(path, manifest, plan.destinations, threads=io.threads, limiter=limiter)
 
     def hand_over() -> None:
         for obj, sd, key in plan.statefuls:
@@ -52,7 +65,7 @@ async def _fill(
 
 async def run_load(
     state: MutableMapping[str, object],
-    path: Path,
+    path: Location,
     *,
     strict: bool,
     allow_pickle: bool,
@@ -66,14 +79,14 @@ async def run_load(
 
 async def _load(
     state: MutableMapping[str, object],
-    path: Path,
+    path: Location,
     *,
     strict: bool,
     allow_pickle: bool,
     io: IOConfig,
     limiter: anyio.CapacityLimiter | None,
 ) -> Manifest:
-    manifest = await run_sync(lambda: read_manifest(path), limiter)
+    manifest = await _manifest(path, limiter)
     plan = await run_sync(lambda: match(manifest, state, allow_pickle=allow_pickle), limiter)
     if plan.differences:
         if strict:
@@ -90,7 +103,7 @@ async def _load(
 
 
 async def run_read(
-    path: Path, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None = None
+    path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None = None
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` into a fresh tree of CPU tensors (see :func:`aiockpt.read`)."""
     with paused(io.pause_gc):
@@ -98,9 +111,9 @@ async def run_read(
 
 
 async def _read(
-    path: Path, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
+    path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
 ) -> dict[Key, object]:
-    manifest = await run_sync(lambda: read_manifest(path), limiter)
+    manifest = await _manifest(path, limiter)
     plan = await run_sync(lambda: match(manifest, None, allow_pickle=allow_pickle), limiter)
     await _fill(path, manifest, plan, io, limiter)
     return plan.result

@@ -46,32 +46,42 @@ def _read_one(path: Path) -> Manifest:
         raise CheckpointNotFoundError(f"{path} is not an aiockpt checkpoint: it is not a directory") from None
     except OSError as exc:
         raise FormatError(f"cannot read {file}: {exc.strerror or exc}", file=str(file)) from exc
+    return decode_manifest(raw, str(file))
+
+
+def decode_manifest(raw: bytes, file: str) -> Manifest:
+    """Verify and decode the bytes of a manifest read from ``file`` (named in errors).
+
+    Raises:
+        FormatError: The bytes are not an aiockpt manifest or have a newer format version.
+        CorruptionError: The manifest's checksum does not match.
+    """
     try:
         env = ENVELOPE_DECODER.decode(raw)
     except (msgspec.DecodeError, ValueError) as exc:  # invalid UTF-8 surfaces as UnicodeDecodeError
-        raise CorruptionError(f"{file} is damaged or not an aiockpt manifest: {exc}", file=str(file)) from exc
+        raise CorruptionError(f"{file} is damaged or not an aiockpt manifest: {exc}", file=file) from exc
     if env.magic != MAGIC:
-        raise FormatError(f"{file} is not an aiockpt manifest (magic {env.magic!r})", file=str(file))
+        raise FormatError(f"{file} is not an aiockpt manifest (magic {env.magic!r})", file=file)
     if env.format_version < 1:
-        raise FormatError(f"{file} has an invalid format version {env.format_version}", file=str(file))
+        raise FormatError(f"{file} has an invalid format version {env.format_version}", file=file)
     if env.format_version > FORMAT_VERSION:
         raise FormatError(
             f"{file} has format version {env.format_version}; this aiockpt reads up to {FORMAT_VERSION}: "
             "upgrade aiockpt",
-            file=str(file),
+            file=file,
         )
     if crc32c.crc32c(env.body) != env.body_crc32c:
-        raise CorruptionError(f"{file} is damaged: its checksum does not match", file=str(file))
+        raise CorruptionError(f"{file} is damaged: its checksum does not match", file=file)
     try:
         with paused():
             manifest = MANIFEST_DECODER.decode(env.body)
     except (msgspec.DecodeError, ValueError) as exc:  # invalid UTF-8 surfaces as UnicodeDecodeError
-        raise FormatError(f"{file} cannot be decoded: {exc}", file=str(file)) from exc
+        raise FormatError(f"{file} cannot be decoded: {exc}", file=file) from exc
     if manifest.format_version != env.format_version:
         raise CorruptionError(
             f"{file} is damaged: envelope says format version {env.format_version}, "
             f"the manifest {manifest.format_version}",
-            file=str(file),
+            file=file,
         )
     return manifest
 

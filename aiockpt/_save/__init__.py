@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 import msgspec
@@ -24,10 +25,11 @@ from .._gc import paused
 from .._handle import Metadata, SaveMetrics, SaveState
 from .._memory import StagingPool
 from .._options import IOConfig
+from .._storage import Location, S3Path
 from .._threads import acquire_sync, run_sync
 from .._world import World
 from ._finish import build_manifest, commit, encode_manifest
-from ._global_plan import GlobalPlan, global_plan
+from ._global_plan import GlobalPlan, RankPlan, global_plan
 from ._local_plan import LocalPlan, local_plan
 from ._protocol import Exchanges, Status, describe
 from ._stage import Staged, stage
@@ -42,7 +44,7 @@ class SaveRequest:
     """One save: what to save, where, and how."""
 
     state: Mapping[str, object]
-    path: Path
+    path: Location
     step: int | None = None
     copy: bool = False
     allow_pickle: bool = False
@@ -135,6 +137,78 @@ def _discard_tmp(tmp: Path, lock: OwnerLock) -> None:
         lock.release()
 
 
+class Target(Protocol):
+    """The storage side of one save on one rank: a local directory or an S3 prefix.
+
+    Rank 0 (the coordinator) calls :meth:`check` and :meth:`prepare`, whose token reaches every rank's
+    :meth:`write`, then :meth:`commit` and :meth:`published`; other ranks call :meth:`summary` once rank 0
+    committed. Every rank calls :meth:`discard` (shielded) when the save fails before its commit.
+    """
+
+    async def check(self) -> None: ...
+    async def prepare(self) -> str: ...
+    async def write(
+        self, token: str, plan: RankPlan, sources: Sequence[memoryview], io: IOConfig
+    ) -> WriteResult: ...
+    async def commit(self, manifest: bytes) -> None: ...
+    async def published(self) -> None: ...
+    async def discard(self) -> None: ...
+    async def summary(self) -> tuple[Manifest, int, int]: ...
+
+
+class _LocalTarget:
+    """A checkpoint directory: a temp directory beside it, renamed into place (see ``_finish``)."""
+
+    def __init__(self, path: Path, limiter: anyio.CapacityLimiter | None) -> None:
+        self.path = path
+        self.limiter = limiter
+        self.tmp: tuple[Path, OwnerLock] | None = None
+
+    async def check(self) -> None:
+        await run_sync(partial(_check_target, self.path), self.limiter)
+
+    async def prepare(self) -> str:
+        self.tmp = await acquire_sync(partial(_prepare_target, self.path), self.limiter)
+        return self.tmp[0].name
+
+    async def write(
+        self, token: str, plan: RankPlan, sources: Sequence[memoryview], io: IOConfig
+    ) -> WriteResult:
+        directory = self.path.with_name(token)
+        return await write(
+            plan, sources, directory, block=io.checksum_block, threads=io.threads, limiter=self.limiter
+        )
+
+    async def commit(self, manifest: bytes) -> None:
+        assert self.tmp is not None
+        await commit(self.tmp[0], self.path, manifest, self.limiter)
+
+    async def published(self) -> None:
+        if self.tmp is not None:  # only the temp dir's lock remains
+            await run_sync(self.tmp[1].release, self.limiter)
+            self.tmp = None
+
+    async def discard(self) -> None:
+        if self.tmp is not None:
+            await run_sync(partial(_discard_tmp, *self.tmp), self.limiter)
+            self.tmp = None
+
+    async def summary(self) -> tuple[Manifest, int, int]:
+        return await run_sync(lambda: _read_summary(self.path), self.limiter)
+
+
+def _target(req: SaveRequest, limiter: anyio.CapacityLimiter | None) -> Target:
+    if isinstance(req.path, S3Path):
+        if req.part is not None:
+            raise StorageError(
+                f"use_collectives=False is not supported on object storage ({req.path})", path=str(req.path)
+            )
+        from .._storage._s3 import S3Target  # the client is imported only by those who use it
+
+        return S3Target(req.path, limiter)
+    return _LocalTarget(req.path, limiter)
+
+
 async def run_save(
     req: SaveRequest,
     *,
@@ -177,40 +251,31 @@ async def _save(
     coordinator = world.rank == 0
     exchanges = Exchanges(world)
     staged: Staged | None = None
-    tmp: tuple[Path, OwnerLock] | None = None
+    target = _target(req, limiter)
     try:
         # --- stage and local plan: this rank alone
         if coordinator:  # fail fast; the temp dir is made after staging, off the caller's critical path
-            await run_sync(partial(_check_target, req.path), limiter)
+            await target.check()
         staged = await stage(
             req.state, copy=req.copy, pool=pool, allow_pickle=req.allow_pickle, limiter=limiter
         )
         metrics.phase("stage")
         metrics.nbytes, metrics.staged_bytes = staged.nbytes, staged.copied
         report(SaveState.STAGED)
-        if coordinator:
-            tmp = await acquire_sync(partial(_prepare_target, req.path), limiter)
+        token = await target.prepare() if coordinator else ""
         local = await run_sync(partial(_plan_local, world.rank, staged), limiter)
         metrics.phase("local_plan")
 
         # --- global plan: every rank computes the same pure plan from everyone's local plans
-        mine = Status(ok=True, payload=local, tmp=tmp[0].name if tmp else "")
+        mine = Status(ok=True, payload=local, tmp=token)
         statuses = await exchanges.exchange("plan", mine)
         exchanges.check("plan", statuses)
-        directory = req.path.with_name(statuses[0].tmp)
         plan = await run_sync(partial(_plan_global, [s.payload for s in statuses]), limiter)
         metrics.phase("global_plan")
 
         # --- write: this rank's chunks
         report(SaveState.WRITING)
-        result = await write(
-            plan.ranks[world.rank],
-            staged.sources,
-            directory,
-            block=req.io.checksum_block,
-            threads=req.io.threads,
-            limiter=limiter,
-        )
+        result = await target.write(statuses[0].tmp, plan.ranks[world.rank], staged.sources, req.io)
         metrics.written_bytes = result.nbytes
         metrics.phase("write")
         await _give_back(pool, staged, limiter)
@@ -220,13 +285,12 @@ async def _save(
         outcome = Status(ok=True)
         summary: tuple[Manifest, int, int] | None = None
         if coordinator:
-            assert tmp is not None
             try:
                 exchanges.check("vote", statuses)
                 manifest, encoded, crc, nbytes = await run_sync(
                     partial(_manifest, plan, [s.payload for s in statuses], staged.flat.tree, req), limiter
                 )
-                await commit(tmp[0], req.path, encoded, limiter)
+                await target.commit(encoded)
                 summary = (manifest, crc, nbytes)
             except Exception as exc:
                 outcome = Status(ok=False, error=describe(exc))
@@ -236,21 +300,19 @@ async def _save(
         # Past the commit point (or waiting to learn whether rank 0 reached it) nothing is cancellable:
         # a save that published must end as committed, with its bookkeeping done.
         with anyio.CancelScope(shield=True):
-            if summary is not None and tmp is not None:  # published: only the temp dir's lock remains
-                await run_sync(tmp[1].release, limiter)
-                tmp = None
+            if summary is not None:
+                await target.published()
             statuses = await exchanges.exchange("outcome", outcome)
             exchanges.settled = True
             if not statuses[0].ok:
                 raise DistributedError(f"rank 0 did not publish {req.path}: {statuses[0].error}", ranks=[0])
             metrics.phase("finish")
             if summary is None:
-                summary = await run_sync(lambda: _read_summary(req.path), limiter)
+                summary = await target.summary()
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
             await exchanges.abort(describe(exc))
-            if tmp is not None:
-                await run_sync(partial(_discard_tmp, *tmp), limiter)
+            await target.discard()
         raise
     finally:
         if staged is not None:

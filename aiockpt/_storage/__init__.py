@@ -1,0 +1,121 @@
+"""Where checkpoints live: a local directory, or a prefix of an S3-compatible object store.
+
+A path is resolved once, at the API boundary (:func:`resolve`): ``s3://bucket/prefix`` becomes an
+:class:`S3Path`, anything else an absolute :class:`~pathlib.Path`. The pipelines then dispatch on that
+type at their few storage-facing steps (write, commit, discard, manifest and data reads, listing); the
+local code paths are untouched. The S3 backend (``_s3``) imports its client lazily, so the ``s3`` extra
+is needed only by those who use ``s3://`` URLs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .._errors import CheckpointError
+from .._fs import absolute
+
+SCHEME = "s3://"
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Options:
+    """How aiockpt talks to an S3-compatible object store (the ``s3`` extra, ``aiockpt[s3]``).
+
+    Every field left ``None`` comes from the standard AWS environment (``AWS_ENDPOINT_URL``,
+    ``AWS_REGION`` or ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_SESSION_TOKEN``); plain ``http://`` is allowed only for an endpoint given that way.
+
+    Attributes:
+        endpoint: The endpoint URL of a non-AWS store (MinIO, Ceph, a test server).
+        region: The bucket's region.
+        part_size: Bytes per multipart-upload part; smaller data objects go up in one request. Stores
+            require at least 5 MiB for every part but the last.
+        concurrency: Requests in flight at once per rank: parts of an upload, ranged reads of a load.
+        max_retries: Retries of a failed request (5xx, throttling, dropped connections), with
+            exponential backoff and jitter.
+        retry_timeout: Seconds after which a request is no longer retried.
+        stale_after: Seconds after which :class:`~aiockpt.Checkpointer` treats the objects of an
+            uncommitted step (no manifest) as abandoned and deletes them when it opens. A save still
+            running in another process must never take that long.
+    """
+
+    endpoint: str | None = None
+    region: str | None = None
+    part_size: int = 16 << 20
+    concurrency: int = 8
+    max_retries: int = 10
+    retry_timeout: float = 180.0
+    stale_after: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.part_size < 1:
+            raise CheckpointError(f"S3Options.part_size must be positive, not {self.part_size}")
+        if self.concurrency < 1:
+            raise CheckpointError(f"S3Options.concurrency must be at least 1, not {self.concurrency}")
+        if self.max_retries < 0 or self.retry_timeout < 0 or self.stale_after < 0:
+            raise CheckpointError("S3Options.max_retries, retry_timeout and stale_after must be >= 0")
+
+
+@dataclass(frozen=True)
+class S3Path:
+    """A checkpoint location in a bucket: the objects under ``key + "/"``.
+
+    It behaves like the few :class:`~pathlib.PurePath` operations the pipelines use (``/``, ``name``,
+    ``parent``, ``with_name``) and prints as its URL.
+    """
+
+    bucket: str
+    key: str
+    options: S3Options = field(default_factory=S3Options, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}"
+
+    def __truediv__(self, name: str) -> S3Path:
+        return S3Path(self.bucket, f"{self.key}/{name}" if self.key else name, self.options)
+
+    @property
+    def name(self) -> str:
+        """The last segment of the key."""
+        return self.key.rpartition("/")[2]
+
+    @property
+    def parent(self) -> S3Path:
+        """The location one segment up."""
+        return S3Path(self.bucket, self.key.rpartition("/")[0], self.options)
+
+    def with_name(self, name: str) -> S3Path:
+        """A sibling location."""
+        return self.parent / name
+
+
+Location = Path | S3Path
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is an ``s3://`` URL (as a str)."""
+    return isinstance(path, str) and path.startswith(SCHEME)
+
+
+def resolve(path: str | os.PathLike[str] | S3Path, s3: S3Options | None = None) -> Location:
+    """``s3://bucket/prefix`` as an :class:`S3Path`; any other path made absolute.
+
+    Raises:
+        CheckpointError: The URL names no bucket or no prefix, or ``s3`` options come with a local path.
+    """
+    if isinstance(path, S3Path):
+        return path if s3 is None else S3Path(path.bucket, path.key, s3)
+    if not is_url(path):
+        if s3 is not None:
+            raise CheckpointError(f"s3= options were given for the local path {os.fspath(path)!r}")
+        return absolute(path)
+    assert isinstance(path, str)
+    bucket, _, key = path[len(SCHEME) :].partition("/")
+    key = "/".join(part for part in key.split("/") if part)
+    if not bucket or not key:
+        raise CheckpointError(f"{path!r} is not a checkpoint URL: use s3://bucket/prefix")
+    if any(part in (".", "..") for part in key.split("/")):
+        raise CheckpointError(f"{path!r}: '.' and '..' are not allowed in an object key")
+    return S3Path(bucket, key, s3 or S3Options())

@@ -1,0 +1,311 @@
+"""The S3 backend: objects, listings, the save target and the manifest read, over ``obstore``.
+
+An object store has no rename, so the commit point is the manifest object itself: every rank uploads its
+data object straight under the checkpoint's prefix and verifies its size, then the coordinator puts
+``manifest.msgpack`` with a create-only (``If-None-Match: *``) request. A prefix without a manifest is an
+uncommitted save: never listed, never loaded, deleted by the save that wrote it when it fails, or by a
+:class:`~aiockpt.Checkpointer` once older than ``S3Options.stale_after``.
+
+``obstore`` (Rust ``object_store``) is async-native: no request blocks the event loop and no thread is
+held while waiting on the network. It signs requests, retries 5xx, throttling and dropped connections
+with backoff, and runs multipart uploads (aborting them on failure).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import anyio
+import obstore
+from obstore.exceptions import AlreadyExistsError, BaseError
+from obstore.store import S3Store
+
+from .._errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from .._format import ENVELOPE_DECODER, MANIFEST_NAME, Manifest
+from .._load._manifest import decode_manifest
+from .._threads import run_sync
+from . import S3Options, S3Path
+
+if TYPE_CHECKING:
+    from obstore import ObjectMeta
+    from obstore.store import ClientConfig, RetryConfig, S3Config
+
+    from .._options import IOConfig
+    from .._save._global_plan import RankPlan
+    from .._save._write import WriteResult
+
+# Errors a request may end with: the client's own, and the OS-level ones it re-raises as built-ins.
+ERRORS = (BaseError, OSError)
+
+# Part of the cache key: the same options mean another store once the environment changed.
+_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+)
+_stores: dict[tuple[str, S3Options, tuple[str | None, ...]], S3Store] = {}
+
+
+def store(path: S3Path) -> S3Store:
+    """The client of ``path``'s bucket (cached; building one reads the environment, no network)."""
+    env = tuple(os.environ.get(k) for k in _ENV)
+    cache_key = (path.bucket, path.options, env)
+    found = _stores.get(cache_key)
+    if found is not None:
+        return found
+    opts = path.options
+    config: S3Config = {}
+    if opts.endpoint is not None:
+        config["endpoint"] = opts.endpoint
+    if opts.region is not None:
+        config["region"] = opts.region
+    endpoint = opts.endpoint or os.environ.get("AWS_ENDPOINT_URL") or ""
+    client: ClientConfig = {"allow_http": True} if endpoint.startswith("http://") else {}
+    retry: RetryConfig = {
+        "max_retries": opts.max_retries,
+        "retry_timeout": timedelta(seconds=opts.retry_timeout),
+        "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15)},
+    }
+    made = S3Store(path.bucket, config=config, client_options=client, retry_config=retry)
+    _stores[cache_key] = made
+    return made
+
+
+def url(path: S3Path, name: str) -> str:
+    """The URL of object ``name`` under ``path``."""
+    return str(path / name)
+
+
+def _failed(what: str, where: str, exc: BaseException) -> StorageError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return StorageError(f"cannot {what} {where}: {first}", path=where)
+
+
+# --- Objects ---------------------------------------------------------------------------------------------
+
+
+async def get(path: S3Path, name: str) -> bytes | None:
+    """The bytes of object ``name`` under ``path``, or ``None`` if there is none.
+
+    Raises:
+        StorageError: The request failed (after retries).
+    """
+    try:
+        result = await obstore.get_async(store(path), (path / name).key)
+        return bytes(await result.bytes_async())
+    except FileNotFoundError:
+        return None
+    except ERRORS as exc:
+        raise _failed("read", url(path, name), exc) from exc
+
+
+async def put(path: S3Path, name: str, data: bytes, *, create: bool) -> None:
+    """Put object ``name`` under ``path``; with ``create``, only if it does not exist.
+
+    Raises:
+        FileExistsError: ``create`` and the object exists.
+        StorageError: The request failed (after retries).
+    """
+    try:
+        await obstore.put_async(
+            store(path), (path / name).key, data, mode="create" if create else "overwrite"
+        )
+    except AlreadyExistsError as exc:
+        raise FileExistsError(url(path, name)) from exc
+    except ERRORS as exc:
+        raise _failed("write", url(path, name), exc) from exc
+
+
+async def listing(path: S3Path) -> list[ObjectMeta]:
+    """Every object under ``path`` (recursively), keys relative to the bucket.
+
+    Raises:
+        StorageError: The request failed (after retries).
+    """
+    try:
+        return [m for batch in await _list(path) for m in batch]
+    except ERRORS as exc:
+        raise _failed("list", str(path), exc) from exc
+
+
+async def _list(path: S3Path) -> list[Sequence[ObjectMeta]]:
+    return [batch async for batch in obstore.list(store(path), path.key + "/", chunk_size=1000)]
+
+
+async def delete(path: S3Path, keys: Sequence[str]) -> None:
+    """Delete objects (keys relative to the bucket); missing ones are fine.
+
+    Raises:
+        StorageError: The request failed (after retries).
+    """
+    if not keys:
+        return
+    try:
+        await obstore.delete_async(store(path), list(keys))
+    except FileNotFoundError:
+        pass
+    except ERRORS as exc:
+        raise _failed("delete objects under", str(path), exc) from exc
+
+
+async def remove(path: S3Path) -> None:
+    """Delete the checkpoint at ``path``: its manifest first (it stops being one), then the rest."""
+    await delete(path, [(path / MANIFEST_NAME).key])
+    await delete(path, [m["path"] for m in await listing(path)])
+
+
+# --- Manifests -------------------------------------------------------------------------------------------
+
+
+async def read_manifest(path: S3Path) -> Manifest:
+    """Read, verify and decode the manifest of the checkpoint at ``path``.
+
+    Raises:
+        CheckpointNotFoundError: There is no manifest (no objects at all, or an incomplete save).
+        FormatError: The manifest is not an aiockpt manifest or has a newer format version.
+        CorruptionError: The manifest's checksum does not match (names its URL).
+        StorageError: A request failed.
+    """
+    raw = await get(path, MANIFEST_NAME)
+    if raw is None:
+        if await listing(path):
+            raise CheckpointNotFoundError(
+                f"{path} is incomplete: it has no {MANIFEST_NAME} (a save in progress, failed or abandoned)"
+            )
+        raise CheckpointNotFoundError(f"no checkpoint at {path}: it does not exist")
+    return await run_sync(lambda: decode_manifest(raw, url(path, MANIFEST_NAME)))
+
+
+def _summary(raw: bytes, file: str) -> tuple[Manifest, int, int]:
+    manifest = decode_manifest(raw, file)
+    crc = ENVELOPE_DECODER.decode(raw).body_crc32c
+    return manifest, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
+
+
+# --- Saving ----------------------------------------------------------------------------------------------
+
+
+class S3Target:
+    """The storage side of one save to ``path`` on one rank (see the module docstring)."""
+
+    def __init__(self, path: S3Path, limiter: anyio.CapacityLimiter | None = None) -> None:
+        self.path = path
+        self.limiter = limiter
+        self._written: list[str] = []
+        self._committed = False
+
+    async def check(self) -> None:
+        """Refuse a prefix that holds anything: a checkpoint, or the objects of another save.
+
+        Raises:
+            CheckpointExistsError: Objects exist under the prefix.
+        """
+        found = await listing(self.path)
+        if any(m["path"] == (self.path / MANIFEST_NAME).key for m in found):
+            raise CheckpointExistsError(f"{self.path} already exists; aiockpt never overwrites a checkpoint")
+        if found:
+            raise CheckpointExistsError(
+                f"{self.path} holds the objects of an uncommitted save (in progress elsewhere, or abandoned: "
+                "a Checkpointer deletes those after S3Options.stale_after); nothing was written"
+            )
+
+    async def prepare(self) -> str:
+        """Nothing to create on a store (no temp directory): check again, just before the uploads."""
+        await self.check()
+        return ""
+
+    async def write(
+        self, token: str, plan: RankPlan, sources: Sequence[memoryview], io: IOConfig
+    ) -> WriteResult:
+        """Upload this rank's data object (see :func:`._s3_data.upload`)."""
+        from ._s3_data import upload
+
+        if plan.writes:
+            self._written.append((self.path / plan.file).key)
+        return await upload(
+            self.path, plan, sources, block=io.checksum_block, threads=io.threads, limiter=self.limiter
+        )
+
+    async def commit(self, manifest: bytes) -> None:
+        """Put the manifest, create-only: the commit point. Shielded, like the local rename.
+
+        Raises:
+            CheckpointExistsError: Another save committed this prefix meanwhile; nothing was replaced.
+            StorageError: The request failed.
+        """
+        with anyio.CancelScope(shield=True):
+            try:
+                await put(self.path, MANIFEST_NAME, manifest, create=True)
+            except FileExistsError as exc:
+                # A retried put whose first attempt landed also sees "exists": it is ours if the bytes are.
+                if await get(self.path, MANIFEST_NAME) == manifest:
+                    return
+                raise CheckpointExistsError(
+                    f"checkpoint {self.path} already exists; nothing was replaced"
+                ) from exc
+
+    async def published(self) -> None:
+        """The manifest is in place: nothing of this save may be deleted any more."""
+        self._committed = True
+
+    async def discard(self) -> None:
+        """Delete what this rank uploaded for a save that did not commit (never a committed one)."""
+        if self._committed or not self._written:
+            return
+        if await get(self.path, MANIFEST_NAME) is not None:
+            return  # a concurrent save to the same prefix committed: its objects are not ours to delete
+        await delete(self.path, self._written)
+        self._written = []
+
+    async def summary(self) -> tuple[Manifest, int, int]:
+        """What a non-coordinator rank reports about the checkpoint rank 0 committed.
+
+        Raises:
+            CheckpointNotFoundError: The manifest is missing.
+        """
+        raw = await get(self.path, MANIFEST_NAME)
+        if raw is None:
+            raise CheckpointNotFoundError(f"{self.path} has no {MANIFEST_NAME} after its commit")
+        return await run_sync(lambda: _summary(raw, url(self.path, MANIFEST_NAME)), self.limiter)
+
+
+# --- Checkpointer roots ----------------------------------------------------------------------------------
+
+
+async def committed(path: S3Path) -> bool:
+    """Whether ``path`` holds a committed checkpoint (its manifest exists).
+
+    Raises:
+        StorageError: The request failed.
+    """
+    try:
+        await obstore.head_async(store(path), (path / MANIFEST_NAME).key)
+    except FileNotFoundError:
+        return False
+    except ERRORS as exc:
+        raise _failed("read", url(path, MANIFEST_NAME), exc) from exc
+    return True
+
+
+async def children(root: S3Path) -> dict[str, tuple[bool, float, list[str]]]:
+    """The prefixes one level under ``root``: name -> (committed, newest object's mtime, object keys).
+
+    Raises:
+        StorageError: The listing failed.
+    """
+    found: dict[str, tuple[bool, float, list[str]]] = {}
+    base = len(root.key) + 1
+    for meta in await listing(root):
+        name, slash, rest = meta["path"][base:].partition("/")
+        if not slash:
+            continue  # an object directly under the root (``latest``)
+        done, newest, keys = found.get(name, (False, 0.0, []))
+        keys.append(meta["path"])
+        found[name] = (done or rest == MANIFEST_NAME, max(newest, meta["last_modified"].timestamp()), keys)
+    return found
