@@ -31,6 +31,7 @@ from pathlib import Path
 from types import CodeType
 
 import pytest
+from s3_util import s3_server
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 NO_RUN = "<!-- no-run -->"
@@ -41,17 +42,16 @@ PageSetup = Callable[[Path, pytest.MonkeyPatch], AbstractAsyncContextManager[Map
 are restored after the page), an async context manager that prepares what the page needs for the
 duration of its test and yields extra names for the page's namespace."""
 
+@contextlib.asynccontextmanager
+async def _s3_page(workdir: Path, mp: pytest.MonkeyPatch) -> AsyncIterator[Mapping[str, object]]:
+    """A moto S3 server on 127.0.0.1 with the bucket ``aiockpt-docs`` and the AWS variables set."""
+    with s3_server() as server, server.env():
+        server.bucket("aiockpt-docs")
+        yield {}
+
+
 # Page (path relative to docs/, POSIX separators) -> its setup hook. A page without one gets nothing.
-# For example, a page whose samples talk to a local S3 server:
-#
-#     @contextlib.asynccontextmanager
-#     async def s3_page(workdir: Path, mp: pytest.MonkeyPatch) -> AsyncIterator[Mapping[str, object]]:
-#         async with local_s3_server() as endpoint:          # 127.0.0.1 only, stopped on exit
-#             mp.setenv("AWS_ENDPOINT_URL", endpoint)
-#             yield {"endpoint": endpoint}
-#
-#     PAGE_SETUP["object-storage.md"] = s3_page
-PAGE_SETUP: dict[str, PageSetup] = {}
+PAGE_SETUP: dict[str, PageSetup] = {"object-storage.md": _s3_page}
 
 
 @dataclass(frozen=True)
