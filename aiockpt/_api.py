@@ -15,6 +15,7 @@ from ._dist import DEFAULT_TIMEOUT
 from ._format import Key, part_dir_name
 from ._fs import absolute
 from ._handle import Metadata, SaveHandle, SaveState
+from ._interop import detect, load_foreign, read_foreign
 from ._load import run_load, run_read
 from ._memory import StagingPool
 from ._options import IOConfig
@@ -158,7 +159,12 @@ async def load(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
     """
-    await run_load(state, absolute(path), strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+    target = absolute(path)
+    kind = await run_sync(lambda: detect(target))
+    if kind != "aiockpt":
+        await load_foreign(state, target, kind, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+        return state
+    await run_load(state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
     return state
 
 
@@ -175,4 +181,8 @@ async def read(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateError: A pickled object is stored and ``allow_pickle`` is false.
     """
-    return await run_read(absolute(path), allow_pickle=allow_pickle, io=io or IOConfig())
+    target = absolute(path)
+    kind = await run_sync(lambda: detect(target))
+    if kind != "aiockpt":
+        return await read_foreign(target, kind, allow_pickle=allow_pickle, io=io or IOConfig())
+    return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig())
