@@ -143,7 +143,9 @@ async def load(
 
     Args:
         state: The target: a mutable mapping shaped like the saved state.
-        path: A checkpoint directory.
+        path: A checkpoint directory, or a foreign checkpoint read-only (see ``docs/interop.md``): a DCP
+            directory, a ``*.safetensors`` file or Hugging Face directory (matched by key paths joined
+            with ``"."``), or a ``torch.save`` file.
         strict: Refuse any difference between checkpoint and target (missing or unexpected keys, shape
             or dtype mismatch), listing all of them; with ``False``, load what matches and warn about the
             rest with :class:`StateMismatchWarning`.
@@ -173,7 +175,9 @@ async def read(
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` as a fresh nested structure of CPU tensors and plain values.
 
-    Statefuls come back as their state dicts; tied tensors come back tied.
+    Statefuls come back as their state dicts; tied tensors come back tied. ``path`` may also be a DCP
+    directory (full tensors, nested as saved), a safetensors file or Hugging Face directory (a flat
+    ``{name: tensor}`` dict) or a ``torch.save`` file; see ``docs/interop.md``.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint.

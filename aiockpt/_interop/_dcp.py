@@ -118,15 +118,34 @@ class DcpSource(DecodingSource):
     """A DCP checkpoint directory (see the module docstring)."""
 
     def __init__(self, directory: Path, *, allow_pickle: bool) -> None:
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
         self.location = directory
         self.allow_pickle = allow_pickle
         md = read_metadata(directory, allow_pickle=allow_pickle)
         self.paths = _paths(md.planner_data)
+        try:
+            names, tensors = self._translate(md)
+        except (AttributeError, TypeError, ValueError, KeyError) as exc:
+            file = directory / METADATA_NAME
+            raise FormatError(f"{file} is malformed DCP metadata: {exc!r}", file=str(file)) from exc
+        self.names = names
+        self.manifest = Manifest(
+            checksum_algorithm="none",
+            checksum_block=1 << 62,
+            tree=tree_of(names, self.paths),
+            tensors=tuple(tensors),
+            files=(),
+            library_version=f"dcp {md.version or ''}".strip(),
+        )
+
+    def _translate(self, md: Any) -> tuple[dict[str, Node], list[TensorEntry]]:
+        """Each FQN as a node (a tensor index, or the decoded value of a bytes item), and the tensors."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
         names: dict[str, Node] = {}
         tensors: list[TensorEntry] = []
         for fqn, item in md.state_dict_metadata.items():
+            if not isinstance(fqn, str):
+                raise TypeError(f"key {fqn!r} is not a str")
             if isinstance(item, TensorStorageMetadata):
                 chunks = []
                 for c in item.chunks:
@@ -153,15 +172,7 @@ class DcpSource(DecodingSource):
             else:
                 info = self._info(md.storage_data, MetadataIndex(fqn), fqn)
                 names[fqn] = self._value(fqn, info)
-        self.names = names
-        self.manifest = Manifest(
-            checksum_algorithm="none",
-            checksum_block=1 << 62,
-            tree=tree_of(names, self.paths),
-            tensors=tuple(tensors),
-            files=(),
-            library_version=f"dcp {md.version or ''}".strip(),
-        )
+        return names, tensors
 
     def _info(self, storage_data: Mapping[Any, Any], index: Any, fqn: str) -> Any:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -170,6 +181,14 @@ class DcpSource(DecodingSource):
         file = self.location / METADATA_NAME
         if not isinstance(info, _StorageInfo):
             raise FormatError(f"{file} lists {fqn!r} but says nowhere where it is stored", file=str(file))
+        if not (
+            isinstance(info.relative_path, str)
+            and type(info.offset) is int
+            and type(info.length) is int
+            and info.offset >= 0
+            and info.length >= 0
+        ):
+            raise FormatError(f"{file} gives {fqn!r} an invalid location {info!r}", file=str(file))
         if info.transform_descriptors:
             raise FormatError(
                 f"{fqn!r} in {self.location} is stored with transforms {list(info.transform_descriptors)} "
