@@ -24,7 +24,7 @@ from .._threads import acquire_sync, run_sync
 from ._dcp import METADATA_NAME, DcpSource
 from ._safetensors import SUFFIX, SafetensorsSource, is_hf_dir
 from ._source import Source
-from ._torchfile import TorchFileSource
+from ._torchfile import TorchFileSource, is_torch_file
 
 __all__ = ["Kind", "detect", "load_foreign", "open_source", "read_foreign"]
 
@@ -35,9 +35,9 @@ def detect(path: Path) -> Kind:
     """The kind of checkpoint at ``path``, from its shape alone (reads no data). Blocking.
 
     A directory with ``.metadata`` is DCP; a ``*.safetensors`` file or a directory with
-    ``model.safetensors.index.json`` or ``model.safetensors`` is safetensors; another regular file is a
-    ``torch.save`` file; anything else is taken for an aiockpt checkpoint (whose reader reports a path that
-    is none).
+    ``model.safetensors.index.json`` or ``model.safetensors`` is safetensors; a file that starts like a
+    ``torch.save`` file (a zip archive, or the legacy pickle magic) is one; anything else is taken for an
+    aiockpt checkpoint (whose reader reports a path that is none).
     """
     if path.is_dir():
         if os.path.isfile(path / METADATA_NAME):
@@ -46,7 +46,10 @@ def detect(path: Path) -> Kind:
             return "safetensors"
         return "aiockpt"
     if path.is_file():
-        return "safetensors" if path.name.endswith(SUFFIX) else "torch"
+        if path.name.endswith(SUFFIX):
+            return "safetensors"
+        if is_torch_file(path):
+            return "torch"
     return "aiockpt"
 
 

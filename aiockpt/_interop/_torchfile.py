@@ -14,6 +14,20 @@ from .._memory import nbytes_of
 from .._tree import dtype_name, flatten, type_name
 from ._source import DecodingSource
 
+# A torch.save file is a zip archive, or (legacy format) a pickle opening with torch's magic number.
+_ZIP_MAGIC = b"PK\x03\x04"
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+
+
+def is_torch_file(path: Path) -> bool:
+    """Whether the regular file ``path`` starts like a ``torch.save`` file. Blocking."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_LEGACY_MAGIC))
+    except OSError:
+        return False
+    return head.startswith(_ZIP_MAGIC) or head == _LEGACY_MAGIC
+
 
 def load_file(path: Path, *, allow_pickle: bool) -> object:
     """``torch.load`` of ``path`` onto the CPU, memory-mapped where the file allows it. Blocking.
