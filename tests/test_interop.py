@@ -81,6 +81,21 @@ class Opaque:
         return self.value
 
 
+class PicklesOnce:
+    """Pickles fine; the copy it unpickles into refuses to be pickled again (a writer failing midway)."""
+
+    def __init__(self) -> None:
+        self.copy = False
+
+    def __getstate__(self) -> dict[str, bool]:
+        if self.copy:
+            raise RuntimeError("this copy cannot be pickled")
+        return {"copy": True}
+
+    def __setstate__(self, state: dict[str, bool]) -> None:
+        self.copy = state["copy"]
+
+
 # --- DCP ------------------------------------------------------------------------------------------------
 
 
@@ -414,3 +429,17 @@ async def test_convert_refuses_a_dtype_safetensors_lacks(tmp_path: Path) -> None
     with pytest.raises(aiockpt.StateError, match="complex128"):
         await aiockpt.convert(tmp_path / "a", tmp_path / "out", to="safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+async def test_convert_failing_midway_leaves_nothing_behind(tmp_path: Path, to: str) -> None:
+    await aiockpt.save({"w": torch.ones(1000), "obj": PicklesOnce()}, tmp_path / "a", allow_pickle=True)
+    with pytest.raises(aiockpt.StateError, match="cannot be pickled"):
+        await aiockpt.convert(tmp_path / "a", tmp_path / "out", to=to, allow_pickle=True)  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+async def test_legacy_torch_save_file(tmp_path: Path) -> None:
+    tensors = _tensors(12)
+    torch.save(tensors, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    assert_tree_equal(await aiockpt.read(tmp_path / "old.pt"), tensors)

@@ -22,7 +22,7 @@ import anyio
 import anyio.from_thread
 import torch
 
-from .._errors import CheckpointExistsError, StateError, StorageError
+from .._errors import CheckpointError, CheckpointExistsError, StateError, StorageError
 from .._format import Key, KeyPath
 from .._fs import TMP_PREFIX, absolute, fsync_dir, remove_tree, rename_noreplace
 from .._handle import SaveMetrics
@@ -190,13 +190,17 @@ def write_torch(file: Path, tree: Mapping[Key, object]) -> None:
 
 def write_dcp(directory: Path, tree: Mapping[Key, object]) -> None:
     """Save ``tree`` as a DCP directory with ``dcp.save``, in this process alone. Blocking."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
     with warnings.catch_warnings():
         # dcp.save warns that it saves in a single process even when asked to (no_dist=True).
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        save(dict(tree), storage_writer=FileSystemWriter(directory, sync_files=True), no_dist=True)
+        try:
+            save(dict(tree), storage_writer=FileSystemWriter(directory, sync_files=True), no_dist=True)
+        except CheckpointException as exc:  # a BaseException: made an ordinary error here
+            raise RuntimeError(f"dcp.save failed: {exc}") from exc
     fsync_dir(directory)
 
 
@@ -240,7 +244,8 @@ async def convert(
         CheckpointExistsError: ``dst`` exists.
         CheckpointNotFoundError: ``src`` is not a checkpoint.
         StateError: The source holds what the target cannot (non-tensor values for safetensors, pickled
-            objects without ``allow_pickle``); the message lists the keys.
+            objects without ``allow_pickle``, objects the target's writer refuses); the message lists the
+            keys where known.
         FormatError: The source is unreadable.
         StorageError: Writing failed; nothing is left at ``dst``.
         ValueError: ``to`` or ``max_shard_size`` is invalid.
@@ -306,6 +311,10 @@ async def convert(
         raise CheckpointExistsError(f"{target} already exists; convert never overwrites") from exc
     except OSError as exc:
         raise StorageError(f"cannot write {target}: {exc.strerror or exc}", path=str(target)) from exc
+    except CheckpointError:
+        raise
+    except Exception as exc:  # torch.save or dcp.save refusing a value of the source
+        raise StateError(f"cannot write {target} as {to}: {exc}") from exc
     finally:
         with anyio.CancelScope(shield=True):
             await run_sync(lambda: remove_tree(tmp) if os.path.lexists(tmp) else None)
