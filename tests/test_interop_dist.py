@@ -169,3 +169,18 @@ def test_fsdp2_get_state_dict_round_trip_and_plain_read(tmp_path: Path) -> None:
         assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
 
     asyncio.run(into_plain_model())
+
+
+async def _load_safetensors_into_fsdp2(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    model, _ = _fsdp(world, seed=1)
+    await aiockpt.load(model.state_dict(), path)  # each rank reads only the rows of its shards
+    return _gathered(model.state_dict())
+
+
+def test_safetensors_weights_into_an_fsdp2_model(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    weights = {k: v.contiguous() for k, v in _model(0).state_dict().items()}
+    save_file(weights, tmp_path / "model.safetensors")
+    for result in run_world(_load_safetensors_into_fsdp2, 2, tmp_path, str(tmp_path / "model.safetensors")):
+        assert_tree_equal(result, weights)
