@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_tree_equal, random_tensor, snapshot
+from conftest import assert_tree_equal, random_tensor, raw_bytes, snapshot
 from safetensors.torch import load_file, save_file
 
 import aiockpt
@@ -157,6 +157,32 @@ async def test_load_dcp_matches_what_dcp_itself_loads(tmp_path: Path) -> None:
     assert_tree_equal(ours, theirs)
 
 
+async def test_dcp_plain_chunks_are_read_in_place_and_others_decoded(tmp_path: Path) -> None:
+    from aiockpt._interop._dcp import DcpSource
+
+    gen = torch.Generator().manual_seed(5)
+    state = {
+        "plain": random_tensor(torch.bfloat16, (6, 5), gen),
+        "channels_last": random_tensor(torch.float32, (2, 3, 4, 5), gen).to(
+            memory_format=torch.channels_last
+        ),
+        "empty": torch.zeros(0, 3),
+        "scalar": random_tensor(torch.int64, (), gen),
+    }
+    _dcp_save(state, tmp_path / "d")
+    source = DcpSource(tmp_path / "d", allow_pickle=False)
+    index = {e.path[0]: i for i, e in enumerate(source.manifest.tensors)}
+    assert source.decoded == {index["channels_last"]}  # its storage is not in row-major order
+    for name in ("plain", "scalar"):
+        (chunk,) = source.manifest.tensors[index[name]].chunks
+        stored = (tmp_path / "d" / chunk.file).read_bytes()[chunk.offset : chunk.offset + chunk.nbytes]
+        assert stored == raw_bytes(state[name]).numpy().tobytes()  # the chunk points at the raw record
+    assert_tree_equal(await aiockpt.read(tmp_path / "d"), state)
+    target: dict[str, object] = {k: torch.empty_like(v) for k, v in state.items()}
+    await aiockpt.load(target, tmp_path / "d")
+    assert_tree_equal(target, state)
+
+
 async def test_dcp_strict_mismatch_lists_every_difference(tmp_path: Path) -> None:
     _dcp_save({"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(2), "extra": 1}, tmp_path / "d")
     target: dict[str, Any] = {
@@ -206,6 +232,36 @@ async def test_dcp_metadata_smuggling_a_call_inside_real_metadata_is_refused(tmp
         await aiockpt.read(tmp_path / "d")
     tree = await aiockpt.read(tmp_path / "d", allow_pickle=True)  # the user vouches for it
     assert torch.equal(tree["a"], torch.ones(2))  # type: ignore[arg-type]
+
+
+async def test_malicious_dcp_tensor_blob_is_refused_without_running_it(tmp_path: Path) -> None:
+    import io
+    import zipfile
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    _dcp_save({"a": torch.ones(2)}, tmp_path / "d")
+    blob = io.BytesIO()
+    with zipfile.ZipFile(blob, "w") as zf:  # a torch.save archive whose data.pkl calls os.system
+        zf.writestr("archive/data.pkl", pickle.dumps(Exploit(), protocol=2))
+        zf.writestr("archive/byteorder", "little")
+    (data,) = (tmp_path / "d").glob("*.distcp")
+    offset = data.stat().st_size
+    data.write_bytes(data.read_bytes() + blob.getvalue())
+    file = tmp_path / "d" / ".metadata"
+    md = pickle.loads(file.read_bytes())
+    info = md.storage_data[MetadataIndex("a", (0,))]
+    info.offset, info.length = offset, len(blob.getvalue())
+    file.write_bytes(pickle.dumps(md))
+    with pytest.raises(aiockpt.CorruptionError, match="cannot decode 'a'"):
+        await aiockpt.read(tmp_path / "d")
+    assert not marker.exists()
 
 
 async def test_dcp_pickled_object_needs_allow_pickle_and_names_the_key(tmp_path: Path) -> None:

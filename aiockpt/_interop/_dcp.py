@@ -8,6 +8,10 @@ transform_descriptors)``, and whose ``planner_data`` maps each FQN to its origin
 chunk and every bytes item is a ``torch.save`` blob at ``[offset, offset + length)`` of a ``*.distcp``
 file, written by whichever rank held it.
 
+A tensor chunk's blob normally holds its elements as one stored, row-major zip record: those chunks are
+read by the native reader straight into destination memory (``_torchblob`` finds the record). Chunks
+saved otherwise (a channels-last layout, say) are decoded whole and copied into place.
+
 Safety: ``.metadata`` is decoded by an unpickler that resolves only the classes such a file needs, so an
 untrusted checkpoint cannot run code; blobs are decoded with ``torch.load(weights_only=True)``. Only
 ``allow_pickle=True`` lifts both restrictions.
@@ -16,21 +20,28 @@ untrusted checkpoint cannot run code; blobs are decoded with ``torch.load(weight
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import anyio
 import torch
 
 from .._errors import CorruptionError, FormatError, StorageError
 from .._format import Chunk, KeyPath, Manifest, Node, PickleNode, TensorEntry, TensorNode
+from .._load._match import Destination
+from .._load._read import read_into
 from .._tree import dtype_name
 from ._names import tree_of, value_node
 from ._source import DecodingSource
+from ._torchblob import raw_location
 
 METADATA_NAME = ".metadata"
+# Only the block size the native reader splits large chunks by (DCP stores no checksums).
+_BLOCK = 4 << 20
 
 _DCP = "torch.distributed.checkpoint"
 # Every global a FileSystemWriter's .metadata refers to (dataclasses, torch.Size, dtypes, the layout
@@ -120,17 +131,27 @@ class DcpSource(DecodingSource):
     def __init__(self, directory: Path, *, allow_pickle: bool) -> None:
         self.location = directory
         self.allow_pickle = allow_pickle
+        # Where each chunk's torch.save blob is: (file, offset, length), by (tensor index, chunk number).
+        self.blobs: dict[tuple[int, int], tuple[str, int, int]] = {}
+        # Tensors with a chunk whose blob is not plain raw bytes: decoded with torch.load.
+        self.decoded: set[int] = set()
+        self._fds: dict[str, int | None] = {}
         md = read_metadata(directory, allow_pickle=allow_pickle)
         self.paths = _paths(md.planner_data)
         try:
             names, tensors = self._translate(md)
         except (AttributeError, TypeError, ValueError, KeyError) as exc:
+            self.close()
             file = directory / METADATA_NAME
             raise FormatError(f"{file} is malformed DCP metadata: {exc!r}", file=str(file)) from exc
+        except BaseException:
+            self.close()
+            raise
+        self.close()
         self.names = names
         self.manifest = Manifest(
             checksum_algorithm="none",
-            checksum_block=1 << 62,
+            checksum_block=_BLOCK,
             tree=tree_of(names, self.paths),
             tensors=tuple(tensors),
             files=(),
@@ -147,20 +168,27 @@ class DcpSource(DecodingSource):
             if not isinstance(fqn, str):
                 raise TypeError(f"key {fqn!r} is not a str")
             if isinstance(item, TensorStorageMetadata):
+                index = len(tensors)
+                itemsize = item.properties.dtype.itemsize
                 chunks = []
-                for c in item.chunks:
+                for number, c in enumerate(item.chunks):
                     info = self._info(md.storage_data, MetadataIndex(fqn, c.offsets), fqn)
+                    sizes = tuple(c.sizes)
+                    self.blobs[index, number] = (info.relative_path, info.offset, info.length)
+                    raw = self._raw(info.relative_path, info.offset, info.length, sizes, itemsize)
+                    if raw is None:
+                        self.decoded.add(index)
                     chunks.append(
                         Chunk(
                             offsets=tuple(c.offsets),
-                            sizes=tuple(c.sizes),
+                            sizes=sizes,
                             file=info.relative_path,
-                            offset=info.offset,
-                            nbytes=info.length,
+                            offset=info.offset if raw is None else raw,
+                            nbytes=info.length if raw is None else math.prod(sizes) * itemsize,
                             checksums=(),
                         )
                     )
-                names[fqn] = TensorNode(index=len(tensors))
+                names[fqn] = TensorNode(index=index)
                 tensors.append(
                     TensorEntry(
                         path=(fqn,),
@@ -199,6 +227,39 @@ class DcpSource(DecodingSource):
             raise FormatError(f"{file} points {fqn!r} outside the checkpoint: {info.relative_path!r}")
         return info
 
+    def _raw(self, file: str, offset: int, length: int, sizes: tuple[int, ...], itemsize: int) -> int | None:
+        """Where the chunk's raw bytes start, if its blob holds them plainly (see ``_torchblob``)."""
+        if file not in self._fds:
+            try:
+                self._fds[file] = os.open(self.location / file, os.O_RDONLY)
+            except OSError:  # reported, naming the key, when the chunk is decoded
+                self._fds[file] = None
+        fd = self._fds[file]
+        return None if fd is None else raw_location(fd, offset, length, sizes, itemsize)
+
+    def close(self) -> None:
+        """Close the data files opened while locating raw chunks."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+
+    async def fill(
+        self,
+        manifest: Manifest,
+        destinations: dict[int, Destination],
+        *,
+        threads: int,
+        limiter: anyio.CapacityLimiter | None,
+    ) -> None:
+        """Read plain chunks straight into destination memory; decode the others with ``torch.load``."""
+        direct = {i: d for i, d in destinations.items() if i not in self.decoded}
+        if direct:
+            await read_into(self.location, manifest, direct, threads=threads, limiter=limiter)
+        if len(direct) < len(destinations):
+            rest = {i: d for i, d in destinations.items() if i in self.decoded}
+            await super().fill(manifest, rest, threads=threads, limiter=limiter)
+
     def _blob(self, file: str, offset: int, length: int, key: str) -> bytes:
         path = self.location / file
         try:
@@ -232,15 +293,14 @@ class DcpSource(DecodingSource):
         return value_node(value, fqn)
 
     def chunk(self, index: int, number: int) -> torch.Tensor:
-        entry = self.manifest.tensors[index]
-        c = entry.chunks[number]
-        key = entry.path[0]
+        key = self.manifest.tensors[index].path[0]
         assert isinstance(key, str)
-        data = self._blob(c.file, c.offset, c.nbytes, key)
+        file, offset, length = self.blobs[index, number]
+        data = self._blob(file, offset, length, key)
         try:
             t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as exc:
-            path = self.location / c.file
+            path = self.location / file
             raise CorruptionError(f"cannot decode {key!r} in {path}: {exc}", file=str(path), key=key) from exc
         return self._check(index, number, t)
 
