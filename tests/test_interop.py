@@ -442,6 +442,16 @@ async def test_convert_round_trips_bit_exact(tmp_path: Path, start: str, via: st
     assert_same_tensors(await aiockpt.read(back), tensors)
 
 
+async def test_convert_to_torch_writes_only_the_tensors_bytes(tmp_path: Path) -> None:
+    small = {"a": torch.ones(10), "b": torch.arange(5), "tied": [torch.zeros(3)] * 2}
+    await aiockpt.save(small, tmp_path / "a")
+    await aiockpt.convert(tmp_path / "a", tmp_path / "a.pt", to="torch")
+    assert (tmp_path / "a.pt").stat().st_size < 10_000  # not the slabs read() carves small tensors from
+    back = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert_tree_equal(back, small)
+    assert back["tied"][0] is back["tied"][1]
+
+
 async def test_convert_aiockpt_checkpoint_with_values_to_dcp_and_back(tmp_path: Path) -> None:
     model, opt = _trained(4)
     await aiockpt.save({"model": model, "optim": opt, "step": 12, "tag": "x"}, tmp_path / "a")
@@ -499,3 +509,12 @@ async def test_legacy_torch_save_file(tmp_path: Path) -> None:
     tensors = _tensors(12)
     torch.save(tensors, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     assert_tree_equal(await aiockpt.read(tmp_path / "old.pt"), tensors)
+
+
+async def test_hf_directory_of_one_file(tmp_path: Path) -> None:
+    tensors = _tensors(13)
+    torch.save(tensors, tmp_path / "src.pt")
+    out = await aiockpt.convert(tmp_path / "src.pt", tmp_path / "hf", to="safetensors")
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert_same_tensors(load_file(out / "model.safetensors"), tensors)
+    assert_same_tensors(await aiockpt.read(out), tensors)

@@ -180,10 +180,29 @@ def write_hf_dir(
     fsync_dir(directory)
 
 
+def _compact(obj: object, clones: dict[int, torch.Tensor]) -> object:
+    """``obj`` with every tensor that views a larger storage cloned (tied tensors stay tied).
+
+    ``torch.save`` writes whole storages, and :func:`aiockpt.read` carves small tensors out of shared
+    slabs: saved as they are, each slab would be written in full.
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.untyped_storage().nbytes() == nbytes_of(obj):
+            return obj
+        if id(obj) not in clones:
+            clones[id(obj)] = obj.clone()
+        return clones[id(obj)]
+    if isinstance(obj, Mapping):
+        return {k: _compact(v, clones) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_compact(v, clones) for v in obj)  # type: ignore[call-arg, attr-defined]
+    return obj
+
+
 def write_torch(file: Path, tree: Mapping[Key, object]) -> None:
     """``torch.save`` ``tree`` into the new file ``file`` and fsync it. Blocking."""
     with open(file, "xb") as f:
-        torch.save(tree, f)
+        torch.save(_compact(tree, {}), f)
         f.flush()
         os.fsync(f.fileno())
 

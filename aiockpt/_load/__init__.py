@@ -58,7 +58,7 @@ async def hand_over(plan: LoadPlan, limiter: anyio.CapacityLimiter | None) -> No
 def settle(plan: LoadPlan, where: object, *, strict: bool, stacklevel: int = 4) -> None:
     """Refuse (``strict``) or warn about the plan's differences before anything is loaded.
 
-    ``stacklevel`` points the warning at the caller of the public ``load``.
+    ``stacklevel`` counts from here, as for :func:`warnings.warn`.
 
     Raises:
         StateMismatchError: ``strict`` and the plan lists differences.
