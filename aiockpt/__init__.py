@@ -32,6 +32,7 @@ from ._handle import Metadata as Metadata
 from ._handle import SaveHandle as SaveHandle
 from ._handle import SaveMetrics as SaveMetrics
 from ._handle import SaveState as SaveState
+from ._interop._convert import convert as convert
 from ._options import IOConfig as IOConfig
 from ._preemption import Preemption as Preemption
 from ._storage import S3Options as S3Options
@@ -65,6 +66,7 @@ __all__ = [
     "Stateful",
     "StorageError",
     "__version__",
+    "convert",
     "load",
     "read",
     "save",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
 if TYPE_CHECKING:
@@ -14,12 +15,13 @@ import anyio
 from ._dist import DEFAULT_TIMEOUT
 from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
+from ._interop import detect, load_foreign, read_foreign
 from ._load import run_load, run_read
 from ._memory import StagingPool
 from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
-from ._storage import S3Options, resolve
+from ._storage import S3Options, S3Path, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, part_of, resolve_world
 
@@ -148,7 +150,9 @@ async def load(
 
     Args:
         state: The target: a mutable mapping shaped like the saved state.
-        path: A checkpoint directory, or an ``s3://bucket/prefix`` URL.
+        path: A checkpoint directory, an ``s3://bucket/prefix`` URL, or a foreign checkpoint read-only
+            (see ``docs/interop.md``): a DCP directory, a ``*.safetensors`` file or Hugging Face directory
+            (matched by key paths joined with ``"."``), or a ``torch.save`` file.
         strict: Refuse any difference between checkpoint and target (missing or unexpected keys, shape
             or dtype mismatch), listing all of them; with ``False``, load what matches and warn about the
             rest with :class:`StateMismatchWarning`.
@@ -165,7 +169,13 @@ async def load(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
     """
-    await run_load(state, resolve(path, s3), strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+    target = resolve(path, s3)
+    kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
+    if kind != "aiockpt":
+        assert isinstance(target, Path)
+        await load_foreign(state, target, kind, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+        return state
+    await run_load(state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
     return state
 
 
@@ -178,7 +188,9 @@ async def read(
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` as a fresh nested structure of CPU tensors and plain values.
 
-    Statefuls come back as their state dicts; tied tensors come back tied.
+    Statefuls come back as their state dicts; tied tensors come back tied. ``path`` may also be a DCP
+    directory (full tensors, nested as saved), a safetensors file or Hugging Face directory (a flat
+    ``{name: tensor}`` dict) or a ``torch.save`` file; see ``docs/interop.md``.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint.
@@ -186,4 +198,9 @@ async def read(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateError: A pickled object is stored and ``allow_pickle`` is false.
     """
-    return await run_read(resolve(path, s3), allow_pickle=allow_pickle, io=io or IOConfig())
+    target = resolve(path, s3)
+    kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
+    if kind != "aiockpt":
+        assert isinstance(target, Path)
+        return await read_foreign(target, kind, allow_pickle=allow_pickle, io=io or IOConfig())
+    return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig())

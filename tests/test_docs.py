@@ -31,6 +31,7 @@ from pathlib import Path
 from types import CodeType
 
 import pytest
+
 from s3_util import s3_server
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -41,6 +42,7 @@ PageSetup = Callable[[Path, pytest.MonkeyPatch], AbstractAsyncContextManager[Map
 """Given the page's working directory and the test's monkeypatch (environment variables set through it
 are restored after the page), an async context manager that prepares what the page needs for the
 duration of its test and yields extra names for the page's namespace."""
+
 
 @contextlib.asynccontextmanager
 async def _s3_page(workdir: Path, mp: pytest.MonkeyPatch) -> AsyncIterator[Mapping[str, object]]:

@@ -56,3 +56,19 @@ async def test_no_blocking_call_on_the_event_loop(tmp_path: Path, guard: list[st
             await ckpt.save(state, step=step)
         await ckpt.load(state)
     assert guard == []
+
+
+async def test_foreign_sources_and_convert_stay_off_the_event_loop(tmp_path: Path, guard: list[str]) -> None:
+    from safetensors.torch import save_file
+
+    state = {"w": torch.randn(64, 8), "b": torch.arange(5)}
+    save_file(state, tmp_path / "m.safetensors")
+    torch.save(state, tmp_path / "m.pt")
+    await aiockpt.convert(tmp_path / "m.pt", tmp_path / "d", to="dcp")
+    await aiockpt.convert(tmp_path / "d", tmp_path / "hf", to="safetensors", max_shard_size=256)
+    await aiockpt.convert(tmp_path / "hf", tmp_path / "t.pt", to="torch")
+    await aiockpt.convert(tmp_path / "t.pt", tmp_path / "a", to="aiockpt")
+    for source in ("m.safetensors", "m.pt", "d", "hf"):
+        await aiockpt.read(tmp_path / source)
+        await aiockpt.load({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / source)
+    assert guard == []

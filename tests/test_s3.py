@@ -24,7 +24,6 @@ from conftest import (
     zero_tensor,
 )
 from obstore.store import S3Store
-from s3_util import FaultProxy, S3Server, s3_server
 from test_event_loop import guard as guard  # the blocking-call detector, as a fixture
 
 import aiockpt
@@ -41,6 +40,7 @@ from aiockpt._storage import S3Path, resolve
 from aiockpt._storage._s3 import S3Target
 
 from distributed_util import run_world
+from s3_util import FaultProxy, S3Server, s3_server
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,7 +25,7 @@ from ._manifest import is_checkpoint, read_manifest
 from ._match import LoadPlan, match
 from ._read import read_into
 
-__all__ = ["is_checkpoint", "read_manifest", "run_load", "run_read"]
+__all__ = ["hand_over", "is_checkpoint", "read_manifest", "run_load", "run_read", "settle"]
 
 
 async def _manifest(path: Location, limiter: anyio.CapacityLimiter | None) -> Manifest:
@@ -45,8 +45,13 @@ async def _fill(
         await download(path, manifest, plan.destinations, limiter=limiter)
     else:
         await read_into(path, manifest, plan.destinations, threads=io.threads, limiter=limiter)
+    await hand_over(plan, limiter)
 
-    def hand_over() -> None:
+
+async def hand_over(plan: LoadPlan, limiter: anyio.CapacityLimiter | None) -> None:
+    """Call ``load_state_dict`` on the plan's Statefuls, innermost first, once their tensors are filled."""
+
+    def call_all() -> None:
         for obj, sd, key in plan.statefuls:
             try:
                 if isinstance(obj, torch.nn.Module):
@@ -60,7 +65,25 @@ async def _fill(
                 ) from exc
 
     if plan.statefuls:
-        await run_sync(hand_over, limiter)
+        await run_sync(call_all, limiter)
+
+
+def settle(plan: LoadPlan, where: object, *, strict: bool, stacklevel: int = 4) -> None:
+    """Refuse (``strict``) or warn about the plan's differences before anything is loaded.
+
+    ``stacklevel`` counts from here, as for :func:`warnings.warn`.
+
+    Raises:
+        StateMismatchError: ``strict`` and the plan lists differences.
+    """
+    if plan.differences:
+        if strict:
+            raise StateMismatchError(plan.differences)
+        warnings.warn(
+            f"loaded {where} partially; not loaded: " + "; ".join(plan.differences),
+            StateMismatchWarning,
+            stacklevel=stacklevel,
+        )
 
 
 async def run_load(
@@ -88,14 +111,7 @@ async def _load(
 ) -> Manifest:
     manifest = await _manifest(path, limiter)
     plan = await run_sync(lambda: match(manifest, state, allow_pickle=allow_pickle), limiter)
-    if plan.differences:
-        if strict:
-            raise StateMismatchError(plan.differences)
-        warnings.warn(
-            f"loaded {path} partially; not loaded: " + "; ".join(plan.differences),
-            StateMismatchWarning,
-            stacklevel=3,
-        )
+    settle(plan, path, strict=strict)
     await _fill(path, manifest, plan, io, limiter)
     for container, key, value in plan.assign:
         container[key] = value

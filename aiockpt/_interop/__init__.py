@@ -1,0 +1,111 @@
+"""Foreign checkpoints: reading DCP directories, safetensors files and ``torch.save`` files, and conversion.
+
+One module per format (``_dcp.py``, ``_safetensors.py``, ``_torchfile.py``); each translates its metadata
+into an aiockpt :class:`~aiockpt._format.Manifest`, so the native matcher (strictness, DTensor chunk
+intersection, Statefuls, in-place filling) plans every load. ``_convert.py`` writes any source as any
+format.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Literal
+
+import anyio
+
+from .._format import Key
+from .._gc import paused
+from .._load import hand_over, settle
+from .._load._match import match
+from .._options import IOConfig
+from .._threads import acquire_sync, run_sync
+from ._dcp import METADATA_NAME, DcpSource
+from ._safetensors import SUFFIX, SafetensorsSource, is_hf_dir
+from ._source import Source
+from ._torchfile import TorchFileSource, is_torch_file
+
+__all__ = ["Kind", "detect", "load_foreign", "open_source", "read_foreign"]
+
+Kind = Literal["aiockpt", "dcp", "safetensors", "torch"]
+
+
+def detect(path: Path) -> Kind:
+    """The kind of checkpoint at ``path``, from its shape alone (reads no data). Blocking.
+
+    A directory with ``.metadata`` is DCP; a ``*.safetensors`` file or a directory with
+    ``model.safetensors.index.json`` or ``model.safetensors`` is safetensors; a file that starts like a
+    ``torch.save`` file (a zip archive, or the legacy pickle magic) is one; anything else is taken for an
+    aiockpt checkpoint (whose reader reports a path that is none).
+    """
+    if path.is_dir():
+        if os.path.isfile(path / METADATA_NAME):
+            return "dcp"
+        if is_hf_dir(path):
+            return "safetensors"
+        return "aiockpt"
+    if path.is_file():
+        if path.name.endswith(SUFFIX):
+            return "safetensors"
+        if is_torch_file(path):
+            return "torch"
+    return "aiockpt"
+
+
+def open_source(path: Path, kind: Kind, *, allow_pickle: bool) -> Source:
+    """Open the foreign checkpoint at ``path`` (its metadata is read and validated). Blocking."""
+    if kind == "dcp":
+        return DcpSource(path, allow_pickle=allow_pickle)
+    if kind == "safetensors":
+        return SafetensorsSource(path)
+    if kind == "torch":
+        return TorchFileSource(path, allow_pickle=allow_pickle)
+    raise ValueError(f"{kind!r} is not a foreign checkpoint kind")
+
+
+async def load_foreign(
+    state: MutableMapping[str, object],
+    path: Path,
+    kind: Kind,
+    *,
+    strict: bool,
+    allow_pickle: bool,
+    io: IOConfig,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> None:
+    """Load a foreign checkpoint into ``state`` in place, with the semantics of :func:`aiockpt.load`."""
+    with paused(io.pause_gc):
+        source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
+        try:
+            manifest, extra = await run_sync(lambda: source.shaped(state), limiter)
+            plan = await run_sync(lambda: match(manifest, state, allow_pickle=allow_pickle), limiter)
+            plan.differences[:0] = extra
+            settle(plan, path, strict=strict, stacklevel=3)
+            await source.fill(manifest, plan.destinations, threads=io.threads, limiter=limiter)
+            await hand_over(plan, limiter)
+            for container, key, value in plan.assign:
+                container[key] = value
+        finally:
+            with anyio.CancelScope(shield=True):
+                await run_sync(source.close, limiter)
+
+
+async def read_foreign(
+    path: Path,
+    kind: Kind,
+    *,
+    allow_pickle: bool,
+    io: IOConfig,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> dict[Key, object]:
+    """Read a foreign checkpoint into a fresh tree of CPU tensors (see :func:`aiockpt.read`)."""
+    with paused(io.pause_gc):
+        source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
+        try:
+            plan = await run_sync(lambda: match(source.manifest, None, allow_pickle=allow_pickle), limiter)
+            await source.fill(source.manifest, plan.destinations, threads=io.threads, limiter=limiter)
+            return plan.result
+        finally:
+            with anyio.CancelScope(shield=True):
+                await run_sync(source.close, limiter)

@@ -1,0 +1,319 @@
+"""Reading ``torch.distributed.checkpoint`` (DCP) directories written by its ``FileSystemWriter``.
+
+Layout (torch 2.x, ``torch/distributed/checkpoint/filesystem.py``): ``.metadata`` is a pickled
+``Metadata`` whose ``state_dict_metadata`` maps each flat name (FQN) to a ``TensorStorageMetadata`` (dtype,
+global size, chunk boxes) or a ``BytesStorageMetadata``, whose ``storage_data`` maps
+``MetadataIndex(fqn, chunk offsets)`` to ``_StorageInfo(relative_path, offset, length,
+transform_descriptors)``, and whose ``planner_data`` maps each FQN to its original key path. Every tensor
+chunk and every bytes item is a ``torch.save`` blob at ``[offset, offset + length)`` of a ``*.distcp``
+file, written by whichever rank held it.
+
+A tensor chunk's blob normally holds its elements as one stored, row-major zip record: those chunks are
+read by the native reader straight into destination memory (``_torchblob`` finds the record). Chunks
+saved otherwise (a channels-last layout, say) are decoded whole and copied into place.
+
+Safety: ``.metadata`` is decoded by an unpickler that resolves only the classes such a file needs, so an
+untrusted checkpoint cannot run code; blobs are decoded with ``torch.load(weights_only=True)``. Only
+``allow_pickle=True`` lifts both restrictions.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from .._errors import CorruptionError, FormatError, StorageError
+from .._format import Chunk, KeyPath, Manifest, Node, PickleNode, TensorEntry, TensorNode
+from .._load._match import Destination
+from .._load._read import read_into
+from .._tree import dtype_name
+from ._names import tree_of, value_node
+from ._source import DecodingSource
+from ._torchblob import raw_location
+
+METADATA_NAME = ".metadata"
+# Only the block size the native reader splits large chunks by (DCP stores no checksums).
+_BLOCK = 4 << 20
+
+_DCP = "torch.distributed.checkpoint"
+# Every global a FileSystemWriter's .metadata refers to (dataclasses, torch.Size, dtypes, the layout
+# lookup, the pathlib class of StorageMeta.checkpoint_id), and harmless builtins older writers used.
+_ALLOWED = frozenset(
+    {
+        *(
+            (f"{_DCP}.metadata", name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        *(
+            (module, name)
+            for module in ("pathlib", "pathlib._local")
+            for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")
+        ),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, name: Path) -> None:
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise FormatError(
+            f"{self.name} refers to {module}.{name}, which DCP metadata never holds; refusing to unpickle "
+            "it (it could run code). Pass allow_pickle=True only if you trust this checkpoint",
+            file=str(self.name),
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise FormatError(
+            f"{self.name} holds a persistent reference; it is not DCP metadata", file=str(self.name)
+        )
+
+
+def read_metadata(directory: Path, *, allow_pickle: bool) -> Any:
+    """Decode ``directory/.metadata`` (restricted unless ``allow_pickle``). Blocking.
+
+    Raises:
+        FormatError: The file refers to a class DCP metadata never holds, or is not DCP metadata.
+        StorageError: The file cannot be read.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = directory / METADATA_NAME
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise StorageError(f"cannot read {file}: {exc.strerror or exc}", path=str(file)) from exc
+    try:
+        md = pickle.loads(raw) if allow_pickle else _MetadataUnpickler(io.BytesIO(raw), file).load()
+    except FormatError:
+        raise
+    except Exception as exc:
+        raise FormatError(f"{file} is not readable DCP metadata: {exc}", file=str(file)) from exc
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise FormatError(f"{file} holds a {type(md).__name__}, not DCP Metadata", file=str(file))
+    if not isinstance(md.storage_data, dict):
+        raise FormatError(f"{file} has no storage data: not written by a FileSystemWriter", file=str(file))
+    return md
+
+
+class DcpSource(DecodingSource):
+    """A DCP checkpoint directory (see the module docstring)."""
+
+    def __init__(self, directory: Path, *, allow_pickle: bool) -> None:
+        self.location = directory
+        self.allow_pickle = allow_pickle
+        # Where each chunk's torch.save blob is: (file, offset, length), by (tensor index, chunk number).
+        self.blobs: dict[tuple[int, int], tuple[str, int, int]] = {}
+        # Tensors with a chunk whose blob is not plain raw bytes: decoded with torch.load.
+        self.decoded: set[int] = set()
+        self._fds: dict[str, int | None] = {}
+        md = read_metadata(directory, allow_pickle=allow_pickle)
+        self.paths = _paths(md.planner_data)
+        try:
+            names, tensors = self._translate(md)
+        except (AttributeError, TypeError, ValueError, KeyError) as exc:
+            self.close()
+            file = directory / METADATA_NAME
+            raise FormatError(f"{file} is malformed DCP metadata: {exc!r}", file=str(file)) from exc
+        except BaseException:
+            self.close()
+            raise
+        self.close()
+        self.names = names
+        self.manifest = Manifest(
+            checksum_algorithm="none",
+            checksum_block=_BLOCK,
+            tree=tree_of(names, self.paths),
+            tensors=tuple(tensors),
+            files=(),
+            library_version=f"dcp {md.version or ''}".strip(),
+        )
+
+    def _translate(self, md: Any) -> tuple[dict[str, Node], list[TensorEntry]]:
+        """Each FQN as a node (a tensor index, or the decoded value of a bytes item), and the tensors."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+        names: dict[str, Node] = {}
+        tensors: list[TensorEntry] = []
+        for fqn, item in md.state_dict_metadata.items():
+            if not isinstance(fqn, str):
+                raise TypeError(f"key {fqn!r} is not a str")
+            if isinstance(item, TensorStorageMetadata):
+                index = len(tensors)
+                itemsize = item.properties.dtype.itemsize
+                chunks = []
+                for number, c in enumerate(item.chunks):
+                    info = self._info(md.storage_data, MetadataIndex(fqn, c.offsets), fqn)
+                    sizes = tuple(c.sizes)
+                    self.blobs[index, number] = (info.relative_path, info.offset, info.length)
+                    raw = self._raw(info.relative_path, info.offset, info.length, sizes, itemsize)
+                    if raw is None:
+                        self.decoded.add(index)
+                    chunks.append(
+                        Chunk(
+                            offsets=tuple(c.offsets),
+                            sizes=sizes,
+                            file=info.relative_path,
+                            offset=info.offset if raw is None else raw,
+                            nbytes=info.length if raw is None else math.prod(sizes) * itemsize,
+                            checksums=(),
+                        )
+                    )
+                names[fqn] = TensorNode(index=index)
+                tensors.append(
+                    TensorEntry(
+                        path=(fqn,),
+                        dtype=dtype_name(item.properties.dtype),
+                        shape=tuple(item.size),
+                        chunks=tuple(chunks),
+                    )
+                )
+            else:
+                info = self._info(md.storage_data, MetadataIndex(fqn), fqn)
+                names[fqn] = self._value(fqn, info)
+        return names, tensors
+
+    def _info(self, storage_data: Mapping[Any, Any], index: Any, fqn: str) -> Any:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        info = storage_data.get(index)
+        file = self.location / METADATA_NAME
+        if not isinstance(info, _StorageInfo):
+            raise FormatError(f"{file} lists {fqn!r} but says nowhere where it is stored", file=str(file))
+        if not (
+            isinstance(info.relative_path, str)
+            and type(info.offset) is int
+            and type(info.length) is int
+            and info.offset >= 0
+            and info.length >= 0
+        ):
+            raise FormatError(f"{file} gives {fqn!r} an invalid location {info!r}", file=str(file))
+        if info.transform_descriptors:
+            raise FormatError(
+                f"{fqn!r} in {self.location} is stored with transforms {list(info.transform_descriptors)} "
+                "(a DCP extension such as compression), which aiockpt does not read",
+                file=str(file),
+            )
+        if os.path.isabs(info.relative_path) or ".." in Path(info.relative_path).parts:
+            raise FormatError(f"{file} points {fqn!r} outside the checkpoint: {info.relative_path!r}")
+        return info
+
+    def _raw(self, file: str, offset: int, length: int, sizes: tuple[int, ...], itemsize: int) -> int | None:
+        """Where the chunk's raw bytes start, if its blob holds them plainly (see ``_torchblob``)."""
+        if file not in self._fds:
+            try:
+                self._fds[file] = os.open(self.location / file, os.O_RDONLY)
+            except OSError:  # reported, naming the key, when the chunk is decoded
+                self._fds[file] = None
+        fd = self._fds[file]
+        return None if fd is None else raw_location(fd, offset, length, sizes, itemsize)
+
+    def close(self) -> None:
+        """Close the data files opened while locating raw chunks."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+
+    async def fill(
+        self,
+        manifest: Manifest,
+        destinations: dict[int, Destination],
+        *,
+        threads: int,
+        limiter: anyio.CapacityLimiter | None,
+    ) -> None:
+        """Read plain chunks straight into destination memory; decode the others with ``torch.load``."""
+        direct = {i: d for i, d in destinations.items() if i not in self.decoded}
+        if direct:
+            await read_into(self.location, manifest, direct, threads=threads, limiter=limiter)
+        if len(direct) < len(destinations):
+            rest = {i: d for i, d in destinations.items() if i in self.decoded}
+            await super().fill(manifest, rest, threads=threads, limiter=limiter)
+
+    def _blob(self, file: str, offset: int, length: int, key: str) -> bytes:
+        path = self.location / file
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+        except FileNotFoundError:
+            raise CorruptionError(f"{path} is missing (it holds {key!r})", file=str(path), key=key) from None
+        except OSError as exc:
+            raise StorageError(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
+        if len(data) != length:
+            raise CorruptionError(
+                f"{path} is truncated: {key!r} needs bytes {offset}..{offset + length}",
+                file=str(path),
+                key=key,
+            )
+        return data
+
+    def _value(self, fqn: str, info: Any) -> Node:
+        data = self._blob(info.relative_path, info.offset, info.length, fqn)
+        try:
+            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            if not self.allow_pickle:
+                # Refused by the matcher, naming the key, if the load needs this value.
+                return PickleNode(data=b"", type_name="object that torch.load(weights_only=True) refuses")
+            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception as exc:
+            path = self.location / info.relative_path
+            raise CorruptionError(f"cannot decode {fqn!r} in {path}: {exc}", file=str(path), key=fqn) from exc
+        return value_node(value, fqn)
+
+    def chunk(self, index: int, number: int) -> torch.Tensor:
+        key = self.manifest.tensors[index].path[0]
+        assert isinstance(key, str)
+        file, offset, length = self.blobs[index, number]
+        data = self._blob(file, offset, length, key)
+        try:
+            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            path = self.location / file
+            raise CorruptionError(f"cannot decode {key!r} in {path}: {exc}", file=str(path), key=key) from exc
+        return self._check(index, number, t)
+
+
+def _paths(planner_data: object) -> dict[str, KeyPath] | None:
+    """DCP's ``planner_data`` of a default planner: FQN -> original key path (str keys, int list indices)."""
+    if not isinstance(planner_data, dict):
+        return None
+    return {
+        fqn: path
+        for fqn, path in planner_data.items()
+        if isinstance(fqn, str)
+        and isinstance(path, tuple)
+        and path
+        and all(type(k) in (str, int) for k in path)
+    }

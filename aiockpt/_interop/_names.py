@@ -1,0 +1,214 @@
+"""Trees for sources that address values by flat names (DCP FQNs, safetensors tensor names).
+
+DCP and safetensors store each value under one string: its key path joined with ``"."``. DCP's flattening
+decides what a leaf is: mapping keys become ``str(key)``; a list is walked by index when it holds a tensor
+or a mapping somewhere, else it is one value, and so is a tuple. Hugging Face names follow the same rule
+(``model.layers.0.weight``).
+
+To load such a source, aiockpt's matcher (``_load/_match.py``) is handed a tree shaped like the *target*:
+every target leaf whose joined name the source has becomes that source entry, target leaves the source
+lacks are left out (the matcher reports them missing), and source names no target leaf claims are placed
+under the deepest target container they extend (reported unexpected, or created inside a Stateful whose
+state grows lazily, as an optimizer's does). Strictness, DTensor chunk intersection, Statefuls and
+in-place filling then work exactly as for native checkpoints. Pure apart from ``state_dict()`` calls.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+from .._errors import StateError
+from .._format import DictNode, Key, KeyPath, ListNode, Node, PickleNode
+from .._tree import flatten, is_stateful, render, type_name
+
+# A tree under construction: nodes, dicts and lists of them.
+_Draft = Union[Node, dict[Key, "_Draft"], list["_Draft"]]  # noqa: UP007 (a recursive alias needs Union)
+
+
+def join(path: KeyPath) -> str:
+    """The flat name of ``path`` as DCP and Hugging Face spell it: ``("a", "b", 0)`` -> ``a.b.0``."""
+    return ".".join(str(k) for k in path)
+
+
+def is_leaf(value: object) -> bool:
+    """Whether DCP stores ``value`` under one name (the rule of DCP's ``traverse_state_dict``)."""
+    if isinstance(value, Mapping) or is_stateful(value):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(isinstance(v, (torch.Tensor, Mapping)) or is_stateful(v) or not is_leaf(v) for v in value)
+
+
+def value_node(value: object, name: str) -> Node:
+    """The node of a plain value read from a foreign source (a tensor inside a value is kept pickled).
+
+    Raises:
+        StateError: ``value`` cannot be stored (it cannot even be pickled), naming ``name``.
+    """
+    try:
+        flat = flatten({"v": value}, allow_pickle=True)
+    except StateError as exc:
+        raise StateError(f"cannot represent the value of {name!r}: {exc}", key=name) from exc
+    if not flat.tensors:
+        return flat.tree.values[0]
+    return PickleNode(data=pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), type_name=type_name(value))
+
+
+def _freeze(draft: _Draft) -> Node:
+    if isinstance(draft, dict):
+        return DictNode(keys=tuple(draft), values=tuple(_freeze(v) for v in draft.values()))
+    if isinstance(draft, list):
+        return ListNode(items=tuple(_freeze(v) for v in draft))
+    return draft
+
+
+def _freeze_nested(draft: dict[Key, _Draft]) -> DictNode:
+    """Freeze a tree built from paths: int-keyed dicts holding ``0..n-1`` in order become lists."""
+
+    def one(d: _Draft) -> Node:
+        if not isinstance(d, dict):
+            return _freeze(d)
+        keys = list(d)
+        if keys and keys == list(range(len(keys))):
+            return ListNode(items=tuple(one(v) for v in d.values()))
+        return DictNode(keys=tuple(keys), values=tuple(one(v) for v in d.values()))
+
+    return DictNode(keys=tuple(draft), values=tuple(one(v) for v in draft.values()))
+
+
+def tree_of(entries: Mapping[str, Node], paths: Mapping[str, KeyPath] | None) -> DictNode:
+    """The tree of a source read on its own (:func:`aiockpt.read`).
+
+    With ``paths`` (DCP's record of each name's original key path) the nested structure is rebuilt, list
+    indices included; without it the result is flat, one key per name (as ``safetensors.torch.load_file``).
+    """
+    root: dict[Key, _Draft] = {}
+    for name, node in entries.items():
+        path = paths.get(name) if paths is not None else None
+        if not path or not all(isinstance(k, (str, int)) for k in path) or not isinstance(path[0], str):
+            path = (name,)
+        cur = root
+        for k in path[:-1]:
+            nxt = cur.setdefault(k, {})
+            if not isinstance(nxt, dict):  # a name that is both a value and a prefix: keep it flat
+                cur = root
+                path = (name,)
+                break
+            cur = nxt
+        if path[-1] in cur:
+            cur = root
+            path = (name,)
+        cur[path[-1]] = node
+    return _freeze_nested(root)
+
+
+@dataclass
+class _Container:
+    depth: int
+    inside_stateful: bool
+    draft: dict[Key, _Draft]
+
+
+@dataclass
+class _Shaper:
+    entries: Mapping[str, Node]
+    paths: Mapping[str, KeyPath] | None
+    used: set[str] = field(default_factory=set)
+    containers: dict[str, _Container] = field(default_factory=dict)
+    differences: list[str] = field(default_factory=list)
+
+    def walk(self, obj: object, path: KeyPath, inside: bool) -> _Draft | None:
+        if is_stateful(obj):
+            sd = obj.state_dict()  # type: ignore[attr-defined]
+            return self.walk(sd, path, True) if isinstance(sd, Mapping) else None
+        if isinstance(obj, Mapping):
+            draft: dict[Key, _Draft] = {}
+            self.containers.setdefault(join(path), _Container(len(path), inside, draft))
+            for k, v in obj.items():
+                child = self.walk(v, (*path, k), inside)
+                if child is not None:
+                    draft[k] = child
+            return draft
+        if isinstance(obj, list) and not is_leaf(obj):
+            items = [self.walk(v, (*path, i), inside) for i, v in enumerate(obj)]
+            absent = [i for i, item in enumerate(items) if item is None]
+            if absent:
+                self.differences += [
+                    f"{render((*path, i))}: missing key (in the target, not in the checkpoint)"
+                    for i in absent
+                ]
+                return None
+            return [item for item in items if item is not None]
+        name = join(path)
+        node = self.entries.get(name)
+        if node is None:
+            return None
+        self.used.add(name)
+        return node
+
+    def place(self, root: dict[Key, _Draft], name: str, node: Node) -> None:
+        """Put an entry no target leaf claimed under the deepest target container its name extends."""
+        path = self.paths.get(name) if self.paths is not None else None
+        where: tuple[_Container, KeyPath] | None = None
+        if path:
+            for d in range(len(path) - 1, -1, -1):
+                c = self.containers.get(join(path[:d]))
+                if c is not None and c.depth == d:
+                    where = (c, path[d:])
+                    break
+        else:
+            cut = len(name)
+            while where is None and cut > 0:
+                cut = name.rfind(".", 0, cut)
+                c = self.containers.get(name[:cut] if cut > 0 else "")
+                if c is not None:
+                    where = (c, (name[cut + 1 :],))
+        if where is None:
+            where = (self.containers[""], (name,))
+        container, rest = where
+        if container.inside_stateful:
+            # DCP stores every mapping key as a str; an optimizer's per-parameter state is keyed by int.
+            rest = tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in rest)
+        cur = container.draft
+        for k in rest[:-1]:
+            nxt = cur.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                break
+            cur = nxt
+        else:
+            if rest[-1] not in cur:
+                cur[rest[-1]] = node
+                return
+        if name not in root:
+            root[name] = node
+        else:
+            self.differences.append(f"{name}: unexpected key (in the checkpoint, not in the target)")
+
+
+def shaped_like(
+    state: Mapping[str, object], entries: Mapping[str, Node], paths: Mapping[str, KeyPath] | None
+) -> tuple[DictNode, list[str]]:
+    """A tree of ``entries`` shaped like ``state`` (see the module docstring). Calls ``state_dict()``.
+
+    Args:
+        state: The load target.
+        entries: The source's values by flat name.
+        paths: DCP's original key path of each name, when the source recorded them.
+
+    Returns:
+        The tree, and differences the matcher cannot see (a list the source holds only partly).
+    """
+    shaper = _Shaper(entries, paths)
+    root = shaper.walk(state, (), False)
+    assert isinstance(root, dict)
+    for name, node in entries.items():
+        if name not in shaper.used:
+            shaper.place(root, name, node)
+    tree = _freeze(root)
+    assert isinstance(tree, DictNode)
+    return tree, shaper.differences

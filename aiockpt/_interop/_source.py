@@ -1,0 +1,140 @@
+"""A foreign checkpoint seen as an aiockpt manifest, and the fill step of sources that decode their chunks.
+
+A source translates its own metadata into a :class:`~aiockpt._format.Manifest` (tensors with their chunk
+boxes, a tree for :func:`aiockpt.read`) so that the native matcher plans the load, and fills the
+matcher's destinations. Sources whose bytes lie raw in files (safetensors) fill through the native
+reader; sources whose chunks must be decoded first (DCP's ``torch.save`` blobs, a ``torch.save`` file)
+decode each chunk a destination needs and copy the intersection into place.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+
+import anyio
+import msgspec
+import torch
+
+from .._errors import CorruptionError
+from .._format import DictNode, KeyPath, Manifest, Node
+from .._load._match import Destination
+from .._load._read import _overlap
+from .._threads import Aborted, run_workers
+from .._tree import dtype_name, render
+from ._names import shaped_like
+
+
+class Source(ABC):
+    """A readable foreign checkpoint.
+
+    Attributes:
+        location: The file or directory, for messages.
+        manifest: Its tensors (``tree`` is the one :func:`aiockpt.read` returns).
+        names: Its values by flat name when the format addresses them so (DCP, safetensors); loads then
+            match the target by joined key path. ``None``: the tree is matched as is (``torch.save``).
+        paths: DCP's original key path of each name, when recorded.
+    """
+
+    location: Path
+    manifest: Manifest
+    names: Mapping[str, Node] | None = None
+    paths: Mapping[str, KeyPath] | None = None
+
+    def shaped(self, state: Mapping[str, object]) -> tuple[Manifest, list[str]]:
+        """The manifest to match ``state`` against, and differences found while shaping it. Blocking."""
+        if self.names is None:
+            return self.manifest, []
+        tree, differences = shaped_like(state, self.names, self.paths)
+        return _with_tree(self.manifest, tree), differences
+
+    @abstractmethod
+    async def fill(
+        self,
+        manifest: Manifest,
+        destinations: dict[int, Destination],
+        *,
+        threads: int,
+        limiter: anyio.CapacityLimiter | None,
+    ) -> None:
+        """Fill every destination (tensor ``index`` of ``manifest``, or the part of it the box covers).
+
+        Raises:
+            CorruptionError: Stored data is missing, truncated or undecodable (names the key and file).
+            StorageError: A file cannot be read.
+        """
+
+    def close(self) -> None:  # noqa: B027 (most sources hold nothing open)
+        """Release what the source holds. Blocking."""
+
+
+def _with_tree(manifest: Manifest, tree: DictNode) -> Manifest:
+    return msgspec.structs.replace(manifest, tree=tree)
+
+
+class DecodingSource(Source):
+    """A source whose chunks are decoded into tensors one at a time, then copied into destinations."""
+
+    @abstractmethod
+    def chunk(self, index: int, number: int) -> torch.Tensor:
+        """Chunk ``number`` of tensor ``index``, decoded (a CPU tensor of the chunk's sizes). Blocking."""
+
+    def _check(self, index: int, number: int, t: object) -> torch.Tensor:
+        entry = self.manifest.tensors[index]
+        c = entry.chunks[number]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != c.sizes or dtype_name(t.dtype) != entry.dtype:
+            got = f"{dtype_name(t.dtype)}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CorruptionError(
+                f"{self.location / c.file}: the data of key {render(entry.path)!r} at offset {c.offset} "
+                f"is {got}, the metadata says {entry.dtype}{list(c.sizes)}",
+                file=str(self.location / c.file),
+                key=render(entry.path),
+            )
+        return t
+
+    async def fill(
+        self,
+        manifest: Manifest,
+        destinations: dict[int, Destination],
+        *,
+        threads: int,
+        limiter: anyio.CapacityLimiter | None,
+    ) -> None:
+        """Decode the chunks each destination overlaps and copy the overlap into place (in threads)."""
+        todo = sorted(destinations.values(), key=lambda d: d.index)
+        lock = threading.Lock()
+
+        def worker(abort: threading.Event) -> None:
+            while True:
+                if abort.is_set():
+                    raise Aborted
+                with lock:
+                    if not todo:
+                        return
+                    dest = todo.pop()
+                self._fill_one(dest)
+
+        if todo:
+            await run_workers(worker, max(1, min(threads, len(todo))), limiter)
+
+    def _fill_one(self, dest: Destination) -> None:
+        entry = self.manifest.tensors[dest.index]
+        target = dest.tensor
+        d_size = tuple(target.shape)
+        d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
+        for number, c in enumerate(entry.chunks):
+            inter = _overlap(c.offsets, c.sizes, d_off, d_size)
+            if inter is None and d_size:
+                continue
+            data = self._check(dest.index, number, self.chunk(dest.index, number))
+            if not d_size:  # a 0-d tensor: its one chunk is all of it
+                target.copy_(data)
+                continue
+            assert inter is not None
+            src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))
+            dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
+            target[dst].copy_(data[src])
+        for other in dest.also:
+            other.copy_(target)

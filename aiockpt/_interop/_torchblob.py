@@ -1,0 +1,148 @@
+"""Finding the raw bytes of a tensor inside a ``torch.save`` blob, so they can be read in place.
+
+``torch.save`` writes a zip archive (stored, not compressed) whose ``data.pkl`` rebuilds the tensor with
+``torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, ...)`` and whose ``data/<key>``
+record holds the storage's bytes, 64-byte aligned. When the storage is exactly the tensor's elements in
+row-major order (what DCP writes for every contiguous chunk: it clones views first), the record *is* the
+chunk's raw bytes, and the native reader can read it straight into destination memory.
+
+``data.pkl`` is read by an unpickler that knows only the names of that one recipe and calls nothing; any
+other content means "not a plain tensor", and the caller decodes the blob with ``torch.load`` instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header: 30 bytes, then name and extra field
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of bytes ``[start, start + length)`` of an open file (by ``pread``)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class _Rebuild:
+    key: str
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _NotPlain(Exception):
+    pass
+
+
+class _StorageType:
+    """Stands for ``torch.<X>Storage`` classes: only their name reaches the persistent id."""
+
+
+def _rebuild(storage: object, storage_offset: object, size: object, stride: object, *_: object) -> _Rebuild:
+    if not (
+        isinstance(storage, str)
+        and type(storage_offset) is int
+        and isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and all(type(s) is int for s in (*size, *stride))
+    ):
+        raise _NotPlain
+    return _Rebuild(storage, storage_offset, size, stride)
+
+
+class _PlainTensorUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage") and name.isidentifier():
+            return _StorageType
+        raise _NotPlain
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str):
+            return pid[2]
+        raise _NotPlain
+
+
+def _row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for n, s in zip(reversed(size), reversed(stride), strict=True):
+        if n > 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def raw_location(fd: int, start: int, length: int, sizes: tuple[int, ...], itemsize: int) -> int | None:
+    """The file offset of the raw row-major bytes of the tensor of ``sizes`` saved at ``[start, +length)``.
+
+    ``None`` when the blob is anything else (another layout, a storage larger than the tensor, a
+    big-endian file, an unexpected recipe): the caller then decodes it with ``torch.load``. Blocking.
+    """
+    window = _Window(fd, start, length)
+    try:
+        with zipfile.ZipFile(window) as zf:
+            pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl")), None)
+            if pkl is None:
+                return None
+            prefix = pkl[: -len("data.pkl")]
+            if f"{prefix}byteorder" in zf.namelist() and zf.read(f"{prefix}byteorder") != b"little":
+                return None
+            found = _PlainTensorUnpickler(io.BytesIO(zf.read(pkl))).load()
+            if not isinstance(found, _Rebuild):
+                return None
+            info = zf.getinfo(f"{prefix}data/{found.key}")
+        nbytes = math.prod(sizes) * itemsize
+        if (
+            found.size != sizes
+            or len(found.stride) != len(sizes)
+            or found.storage_offset != 0
+            or not _row_major(found.size, found.stride)
+            or info.compress_type != zipfile.ZIP_STORED
+            or info.file_size != nbytes
+        ):
+            return None
+        window.seek(info.header_offset)
+        header = window.read(_LOCAL_HEADER.size)
+        if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
+        data = info.header_offset + _LOCAL_HEADER.size + int(name_len) + int(extra_len)
+        if data + nbytes > length:
+            return None
+        return start + data
+    except Exception:  # anything unexpected: the caller decodes the blob with torch.load, which checks it
+        return None
