@@ -6,7 +6,7 @@ import contextlib
 import os
 import re
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -39,7 +39,7 @@ OnBusy = Literal["wait", "skip", "error"]
 
 LATEST = "latest"
 _LOAD_ATTEMPTS = 3
-_STEP_RE = re.compile(r"step-(\d+)")
+STEP_RE = re.compile(r"step-(\d+)")
 
 
 def step_dir_name(step: int) -> str:
@@ -47,14 +47,49 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _scan(root: Path) -> list[int]:
+def scan_steps(root: Path) -> list[int]:
+    """The committed steps under ``root``, oldest first. Blocking."""
     steps = []
     with os.scandir(root) as it:
         for entry in it:
-            m = _STEP_RE.fullmatch(entry.name)
+            m = STEP_RE.fullmatch(entry.name)
             if m and entry.is_dir() and is_checkpoint(Path(entry.path)):
                 steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def doomed_steps(
+    steps: Sequence[int], *, keep_last: int | None, keep_every: int | None, protect: Iterable[int] = ()
+) -> list[int]:
+    """The steps that retention deletes from the committed ``steps`` (oldest first). Pure.
+
+    Retention keeps the newest ``keep_last`` steps (all of them when it is ``None``), every step divisible
+    by ``keep_every``, and the ``protect``ed ones (being loaded); so the newest step is never deleted.
+    """
+    if keep_last is None or len(steps) <= keep_last:
+        return []
+    keep = set(steps[-keep_last:]) | set(protect)
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return [s for s in steps if s not in keep]
+
+
+def delete_steps(root: Path, steps: Iterable[int]) -> list[int]:
+    """Delete the checkpoints of ``steps`` under ``root``; return those that were there. Blocking.
+
+    Each is renamed to a temp name first, which makes its deletion atomic for readers; a crash mid-way
+    leaves only temp data that the next garbage collection removes.
+    """
+    deleted = []
+    for s in steps:
+        trash = root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(root / step_dir_name(s), trash)
+            deleted.append(s)
+            remove_tree(trash)
+    if deleted:
+        fsync_dir(root)
+    return deleted
 
 
 class Checkpointer:
@@ -170,7 +205,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             if coordinator:  # the other ranks would race it
                 collect_garbage(self.root)
-            return _scan(self.root)
+            return scan_steps(self.root)
 
         self._steps = await run_sync(prepare)
         self._slots = anyio.Semaphore(self.max_inflight)
@@ -180,7 +215,7 @@ class Checkpointer:
     async def refresh(self) -> list[int]:
         """Re-read the committed steps from disk (they may have been written by another process)."""
         await self.open()
-        self._steps = await run_sync(lambda: _scan(self.root))
+        self._steps = await run_sync(lambda: scan_steps(self.root))
         return list(self._steps)
 
     def steps(self) -> list[int]:
@@ -312,26 +347,15 @@ class Checkpointer:
 
         def publish() -> None:
             replace_durable(self.root / LATEST, (step_dir_name(steps[-1]) + "\n").encode())
-            for s in doomed:
-                # Renaming first makes the deletion atomic for readers; a crash mid-way leaves only temp
-                # data that the next open collects.
-                trash = self.root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(self.path_of(s), trash)
-                    remove_tree(trash)
-            if doomed:
-                fsync_dir(self.root)
+            delete_steps(self.root, doomed)
 
         await run_sync(publish)
         self._steps = [s for s in self._steps if s not in doomed]
 
     def _doomed(self, steps: list[int]) -> list[int]:
-        if self.keep_last is None or len(steps) <= self.keep_last:
-            return []
-        keep = set(steps[-self.keep_last :]) | set(self._loading)
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        return [s for s in steps if s not in keep]
+        return doomed_steps(
+            steps, keep_last=self.keep_last, keep_every=self.keep_every, protect=self._loading
+        )
 
     # --- Loading ----------------------------------------------------------------------------------------
 

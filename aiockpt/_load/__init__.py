@@ -21,11 +21,11 @@ from .._gc import paused
 from .._options import IOConfig
 from .._threads import run_sync
 from .._tree import render
-from ._manifest import is_checkpoint, read_manifest
+from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
 from ._read import read_into
 
-__all__ = ["is_checkpoint", "read_manifest", "run_load", "run_read"]
+__all__ = ["is_checkpoint", "published_parts", "read_manifest", "run_load", "run_read"]
 
 
 async def _fill(
