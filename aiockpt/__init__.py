@@ -35,6 +35,8 @@ from ._handle import SaveState as SaveState
 from ._options import IOConfig as IOConfig
 from ._preemption import Preemption as Preemption
 from ._tree import Stateful as Stateful
+from ._verify import VerifyReport as VerifyReport
+from ._verify import verify as verify
 from ._version import __version__ as __version__
 
 __all__ = [
@@ -62,11 +64,13 @@ __all__ = [
     "StateMismatchWarning",
     "Stateful",
     "StorageError",
+    "VerifyReport",
     "__version__",
     "load",
     "read",
     "save",
     "sync",
+    "verify",
 ]
 
 # Tracebacks and reprs say aiockpt.X, not aiockpt._module.X.
