@@ -40,16 +40,16 @@ class VerifyReport:
         problems: One :class:`CorruptionError` per damaged chunk (or for a damaged manifest), in file
             order; each names the key (``error.key``) and the file (``error.file``). Empty when every
             checksum matched.
-        tensors: Tensors whose chunks were checked.
-        chunks: Chunks checked.
+        num_tensors: Tensors whose chunks were checked.
+        num_chunks: Chunks checked.
         nbytes: Bytes of tensor data the manifest describes (all of them are read unless a file is
             missing or truncated).
     """
 
     path: str
     problems: tuple[CorruptionError, ...]
-    tensors: int
-    chunks: int
+    num_tensors: int
+    num_chunks: int
     nbytes: int
 
     @property
@@ -80,7 +80,7 @@ class _Problems:
         with self._lock:
             self._found.setdefault(item, error)
 
-    def sorted(self) -> tuple[CorruptionError, ...]:
+    def in_file_order(self) -> tuple[CorruptionError, ...]:
         def order(item: int) -> tuple[str, int]:
             return self._items[item].chunk.file, self._items[item].chunk.offset
 
@@ -156,7 +156,7 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
     try:
         manifest = await run_sync(lambda: read_manifest(directory))
     except CorruptionError as exc:
-        return VerifyReport(path=str(directory), problems=(exc,), tensors=0, chunks=0, nbytes=0)
+        return VerifyReport(path=str(directory), problems=(exc,), num_tensors=0, num_chunks=0, nbytes=0)
 
     def plan() -> tuple[list[_Item], dict[str, list[Piece]]]:
         with paused():
@@ -237,8 +237,8 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
             await run_sync(lambda: _close_all(fds.values()))
     return VerifyReport(
         path=str(directory),
-        problems=problems.sorted(),
-        tensors=len(manifest.tensors),
-        chunks=len(items),
+        problems=problems.in_file_order(),
+        num_tensors=len(manifest.tensors),
+        num_chunks=len(items),
         nbytes=total,
     )

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import pty
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -57,6 +59,33 @@ def cli_many(*calls: tuple[str | Path, ...]) -> list[Result]:
     """Run several independent invocations at once."""
     with ThreadPoolExecutor(len(calls)) as pool:
         return list(pool.map(lambda args: cli(*args), calls))
+
+
+def cli_on_tty_stderr(*args: str | Path) -> tuple[int, str, str]:
+    """Run ``python -m aiockpt ARGS`` with stderr on a pseudo-terminal: ``(code, stdout, terminal)``."""
+    controller, terminal = pty.openpty()
+    env = _env() | {"TERM": "xterm"}
+    cmd = [sys.executable, "-m", "aiockpt", *map(str, args)]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=terminal, text=True, env=env) as proc:
+        os.close(terminal)
+        seen: list[bytes] = []
+
+        def drain() -> None:  # the child blocks once the terminal's buffer is full
+            while True:
+                try:
+                    data = os.read(controller, 1 << 16)
+                except OSError:  # EIO: the child closed its end
+                    return
+                if not data:
+                    return
+                seen.append(data)
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        out, _ = proc.communicate(timeout=120)
+        reader.join(timeout=30)
+    os.close(controller)
+    return proc.returncode, out, b"".join(seen).decode(errors="replace")
 
 
 def one_error_line(r: Result, code: int) -> str:
@@ -259,6 +288,20 @@ def test_verify_passes_then_names_every_damaged_key_and_file(ckpt_path: Path) ->
     doc = json.loads(as_json.stdout)
     assert doc["ok"] is False
     assert [(p["key"], p["file"]) for p in doc["problems"]] == [("emb", str(data)), (last, str(data))]
+
+
+def test_verify_draws_a_progress_bar_on_a_terminal_unless_told_not_to(ckpt_path: Path) -> None:
+    sync.save({"x": torch.ones(4 << 20)}, ckpt_path)
+    with ThreadPoolExecutor(2) as pool:
+        bar, quiet = pool.map(
+            lambda a: cli_on_tty_stderr(*a), [("verify", ckpt_path), ("verify", "--no-progress", ckpt_path)]
+        )
+    for code, out, _ in (bar, quiet):
+        assert code == 0
+        assert out.startswith("OK: 1 tensor(s), 1 chunk(s), 16.0 MiB")
+    assert "verifying ckpt" in bar[2]
+    assert "16.0 MiB" in bar[2]  # the byte count of the bar
+    assert quiet[2] == ""
 
 
 def test_user_errors_are_one_line_and_exit_2(ckpt_path: Path, tmp_path: Path) -> None:

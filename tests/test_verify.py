@@ -45,8 +45,8 @@ async def test_an_intact_checkpoint_verifies(ckpt_path: Path) -> None:
     assert report.ok
     assert report.problems == ()
     assert report.path == str(ckpt_path)
-    assert report.tensors == len(manifest.tensors)
-    assert report.chunks == sum(len(t.chunks) for t in manifest.tensors)
+    assert report.num_tensors == len(manifest.tensors)
+    assert report.num_chunks == sum(len(t.chunks) for t in manifest.tensors)
     assert report.nbytes == sum(c.nbytes for t in manifest.tensors for c in t.chunks)
     total = report.nbytes
     assert seen[-1] == (total, total)
@@ -102,7 +102,7 @@ async def test_a_damaged_manifest_is_a_problem_and_not_a_checkpoint_raises(ckpt_
     report = await aiockpt.verify(ckpt_path)
     assert len(report.problems) == 1
     assert report.problems[0].file == str(manifest_file)
-    assert report.tensors == 0
+    assert report.num_tensors == 0
 
     os.unlink(manifest_file)
     with pytest.raises(aiockpt.CheckpointNotFoundError, match="no manifest"):
@@ -127,7 +127,7 @@ async def test_collective_free_parts_are_verified_through_the_merged_manifest(ck
     await aiockpt.save({"b": torch.ones(50), "r": torch.zeros(8)}, ckpt_path / "rank-00001-of-00002")
     report = await aiockpt.verify(ckpt_path)
     assert report.ok
-    assert report.tensors == 3
+    assert report.num_tensors == 3
     part = ckpt_path / "rank-00001-of-00002"
     part_manifest = read_manifest(part)
     file_b, off_b, _ = _chunk(part_manifest, "b")

@@ -61,8 +61,8 @@ def _report_json(report: VerifyReport) -> None:
             "schema": SCHEMA,
             "path": report.path,
             "ok": report.ok,
-            "tensors": report.tensors,
-            "chunks": report.chunks,
+            "tensors": report.num_tensors,
+            "chunks": report.num_chunks,
             "nbytes": report.nbytes,
             "problems": [{"key": p.key, "file": p.file, "message": str(p)} for p in report.problems],
         }
@@ -99,7 +99,7 @@ def command(path: str, step: int | None, threads: int, no_progress: bool, as_jso
     else:
         for problem in report.problems:
             click.echo(f"CORRUPT {problem}")
-        what = f"{report.tensors} tensor(s), {report.chunks} chunk(s), {human_bytes(report.nbytes)}"
+        what = f"{report.num_tensors} tensor(s), {report.num_chunks} chunk(s), {human_bytes(report.nbytes)}"
         if report.ok:
             click.echo(f"OK: {what} verified in {report.path}")
         else:
