@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +110,35 @@ def _plan(manifest: Manifest) -> tuple[list[_Item], dict[str, list[Piece]]]:
     for pieces in by_file.values():
         pieces.sort(key=lambda p: p.offset)
     return items, by_file
+
+
+async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], None]) -> None:
+    """Await ``run()``, calling ``report()`` every ``_PROGRESS_INTERVAL`` meanwhile and once at the end.
+
+    An exception of either is raised as it is (not in an exception group), after the other is cancelled.
+    """
+    errors: list[Exception] = []
+
+    async def ticking() -> None:
+        while True:
+            report()
+            await anyio.sleep(_PROGRESS_INTERVAL)
+
+    async with anyio.create_task_group() as tg:
+
+        async def guarded(fn: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await fn()
+            except Exception as exc:
+                errors.append(exc)
+            finally:
+                tg.cancel_scope.cancel()  # the first to end (``run``, or a failure) ends both
+
+        tg.start_soon(guarded, run)
+        tg.start_soon(guarded, ticking)
+    if errors:
+        raise errors[0]
+    report()
 
 
 def _close_all(fds: Iterable[int]) -> None:
@@ -217,21 +246,16 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
                     problems.add(p.item, f"checksum mismatch in block {p.block}")
             done[index] += sum(len(p.view) for p in run.pieces)
 
-    async def report_progress(progress: Callable[[int, int], None]) -> None:
-        while True:
-            progress(sum(done), total)
-            await anyio.sleep(_PROGRESS_INTERVAL)
+    async def read_all() -> None:
+        if work:
+            await run_workers(worker, len(work))
 
     try:
         await run_sync(open_files)
-        async with anyio.create_task_group() as tg:
-            if progress is not None:
-                tg.start_soon(report_progress, progress)
-            if work:
-                await run_workers(worker, len(work))
-            tg.cancel_scope.cancel()
-        if progress is not None:
-            progress(sum(done), total)
+        if progress is None:
+            await read_all()
+        else:
+            await _reporting(read_all, lambda: progress(sum(done), total))
     finally:
         with anyio.CancelScope(shield=True):
             await run_sync(lambda: _close_all(fds.values()))

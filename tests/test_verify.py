@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 import torch
@@ -51,6 +52,33 @@ async def test_an_intact_checkpoint_verifies(ckpt_path: Path) -> None:
     total = report.nbytes
     assert seen[-1] == (total, total)
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+async def test_an_error_in_the_progress_callback_is_raised_as_it_is(ckpt_path: Path) -> None:
+    await aiockpt.save(_state(), ckpt_path)
+
+    def progress(done: int, total: int) -> None:
+        raise KeyError("from the callback")
+
+    with pytest.raises(KeyError, match="from the callback"):
+        await aiockpt.verify(ckpt_path, progress=progress)
+
+
+async def test_a_cancelled_verification_stops_and_closes_its_files(ckpt_path: Path) -> None:
+    await aiockpt.save({"x": torch.ones(16 << 20)}, ckpt_path)
+    open_before = set(os.listdir("/proc/self/fd"))
+    calls = 0
+    with anyio.CancelScope() as scope:
+
+        def progress(done: int, total: int) -> None:
+            nonlocal calls
+            calls += 1
+            scope.cancel()
+
+        await aiockpt.verify(ckpt_path, progress=progress)
+    assert scope.cancelled_caught
+    assert calls == 1
+    assert set(os.listdir("/proc/self/fd")) == open_before
 
 
 async def test_every_damaged_chunk_is_reported_with_key_file_and_block(ckpt_path: Path) -> None:
