@@ -190,11 +190,17 @@ def test_ls_shows_steps_latest_and_flags_what_is_not_a_checkpoint(root: Path) ->
 # --- inspect --------------------------------------------------------------------------------------------
 
 
-def test_inspect_describes_every_tensor_and_value(root: Path) -> None:
+def test_inspect_describes_every_tensor_and_value(root: Path, tmp_path: Path) -> None:
     _save_steps(root, [5, 7])
     path = root / "step-00000007"
     state = _state(7)
-    text, as_json = cli_many(("inspect", path), ("inspect", "--json", root))
+    # A collective-free checkpoint of two ranks: "shared" was written by both, the others by one each.
+    parts = tmp_path / "parts"
+    sync.save({"only0": torch.ones(4), "shared": torch.zeros(8)}, parts / "rank-00000-of-00002")
+    sync.save({"only1": torch.ones(2), "shared": torch.zeros(8)}, parts / "rank-00001-of-00002")
+    text, as_json, of_parts = cli_many(
+        ("inspect", path), ("inspect", "--json", root), ("inspect", "--json", parts)
+    )
     assert as_json.returncode == 0, as_json.stderr
     doc = json.loads(as_json.stdout)
     assert doc["path"] == str(path)  # given a root: its newest step
@@ -249,6 +255,20 @@ def test_inspect_describes_every_tensor_and_value(root: Path) -> None:
     for key in expected:
         assert _key_line(out, key).split()[-3:] == ["1", "data-r00000.bin", "no"]
     assert "= tied_again" in [ln.strip() for ln in out.splitlines()]
+
+    assert of_parts.returncode == 0, of_parts.stderr
+    doc = json.loads(of_parts.stdout)
+    assert doc["world_size"] == 2
+    assert {t["key"]: t["replicated"] for t in doc["tensors"]} == {
+        "only0": False,
+        "shared": True,
+        "only1": False,
+    }
+    assert {t["key"]: t["files"] for t in doc["tensors"]} == {
+        "only0": ["rank-00000-of-00002/data-r00000.bin"],
+        "shared": ["rank-00000-of-00002/data-r00000.bin"],  # read from the first part that has it
+        "only1": ["rank-00001-of-00002/data-r00000.bin"],
+    }
     assert _key_line(out, "name").split()[1:] == ["str", "'run-a'"]
     assert _key_line(out, "lr").split()[1:] == ["float", "inf"]
     assert _key_line(out, "blob").split()[1:] == ["bytes", "<3", "bytes>"]

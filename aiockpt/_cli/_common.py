@@ -33,7 +33,7 @@ def stdout() -> Console:
 
 
 def stderr() -> Console:
-    """The console for progress bars and warnings."""
+    """The console for progress bars."""
     return Console(stderr=True, highlight=False)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypedDict
@@ -13,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._format import (
+    MANIFEST_NAME,
     BytesNode,
     DictNode,
     KeyPath,
@@ -25,7 +27,7 @@ from .._format import (
     TupleNode,
     ValueNode,
 )
-from .._load import read_manifest
+from .._load import published_parts, read_manifest
 from .._tree import dtype_from_name, render
 from ._common import (
     human_bytes,
@@ -90,7 +92,7 @@ class TensorDoc(TypedDict):
     dtype: str
     shape: list[int]
     nbytes: int
-    replicated: bool
+    replicated: bool | None
     files: list[str]
     chunks: list[ChunkDoc]
     aliases: list[str]
@@ -161,17 +163,15 @@ def _value(path: KeyPath, node: Node) -> ValueDoc:
     return doc
 
 
-def _tensor(entry: TensorEntry, world_size: int, aliases: list[KeyPath]) -> TensorDoc:
+def _tensor(entry: TensorEntry, replicated: bool | None, aliases: list[KeyPath]) -> TensorDoc:
     """The JSON form of a tensor entry."""
-    whole = len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape
     return TensorDoc(
         key=render(entry.path),
         path=list(entry.path),
         dtype=entry.dtype,
         shape=list(entry.shape),
         nbytes=math.prod(entry.shape) * dtype_from_name(entry.dtype).itemsize,
-        # Held whole by each of several ranks, and stored once.
-        replicated=whole and world_size > 1,
+        replicated=replicated,
         files=sorted({c.file for c in entry.chunks}),
         chunks=[
             ChunkDoc(
@@ -183,8 +183,41 @@ def _tensor(entry: TensorEntry, world_size: int, aliases: list[KeyPath]) -> Tens
     )
 
 
-def describe(directory: Path, manifest: Manifest, note: str | None) -> InspectDoc:
-    """The documented JSON form of a checkpoint (schema ``aiockpt.inspect/1``, see docs/cli.md)."""
+def part_holders(directory: Path) -> dict[KeyPath, int] | None:
+    """For a collective-free checkpoint, per tensor: how many parts stored one same chunk of it. Blocking.
+
+    ``None`` for other checkpoints: a collective save writes a chunk that several ranks hold once, and
+    records neither who held it nor how many did.
+    """
+    parts = None if (directory / MANIFEST_NAME).is_file() else published_parts(directory)
+    if parts is None:
+        return None
+    boxes: Counter[tuple[KeyPath, tuple[int, ...], tuple[int, ...]]] = Counter()
+    for part in parts[1]:
+        boxes.update({(t.path, c.offsets, c.sizes) for t in read_manifest(part).tensors for c in t.chunks})
+    holders: dict[KeyPath, int] = {}
+    for (path, _, _), count in boxes.items():
+        holders[path] = max(holders.get(path, 0), count)
+    return holders
+
+
+def describe(
+    directory: Path, manifest: Manifest, note: str | None, holders: dict[KeyPath, int] | None
+) -> InspectDoc:
+    """The documented JSON form of a checkpoint (schema ``aiockpt.inspect/1``, see docs/cli.md).
+
+    Args:
+        directory: The checkpoint directory.
+        manifest: Its manifest.
+        note: How the directory was chosen, if not named directly.
+        holders: :func:`part_holders` of the checkpoint.
+    """
+
+    def replicated(entry: TensorEntry) -> bool | None:
+        if manifest.world_size == 1:
+            return False
+        return None if holders is None else holders.get(entry.path, 1) > 1
+
     paths: dict[int, list[KeyPath]] = {}
     values = []
     for path, node in _leaves(manifest.tree, ()):
@@ -193,7 +226,7 @@ def describe(directory: Path, manifest: Manifest, note: str | None) -> InspectDo
         else:
             values.append(_value(path, node))
     tensors = [
-        _tensor(entry, manifest.world_size, [p for p in paths.get(i, []) if p != entry.path])
+        _tensor(entry, replicated(entry), [p for p in paths.get(i, []) if p != entry.path])
         for i, entry in enumerate(manifest.tensors)
     ]
     return InspectDoc(
@@ -268,7 +301,7 @@ def _render(doc: InspectDoc) -> None:
                 human_bytes(t["nbytes"]),
                 str(len(t["chunks"])),
                 ", ".join(t["files"]),
-                "yes" if t["replicated"] else "no",
+                {True: "yes", False: "no", None: "-"}[t["replicated"]],
             )
         out.print(table)
 
@@ -308,7 +341,7 @@ def command(path: str, step: int | None, as_json: bool) -> None:
     """
     directory, note = resolve_checkpoint(path, step)
     manifest = read_manifest(directory)
-    doc = describe(directory, manifest, note)
+    doc = describe(directory, manifest, note, part_holders(directory))
     if as_json:
         print_json(doc)
     else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import anyio
 import click
@@ -92,7 +91,7 @@ def command(path: str, step: int | None, threads: int, no_progress: bool, as_jso
     directory, note = resolve_checkpoint(path, step)
     if note is not None and not as_json:
         click.echo(f"verifying {directory.name}, {note}", err=True)
-    with _progress_bar(show_progress(no_progress), f"verifying {Path(directory).name}") as progress:
+    with _progress_bar(show_progress(no_progress), f"verifying {directory.name}") as progress:
         report = anyio.run(lambda: verify(directory, io=IOConfig(threads=threads), progress=progress))
     if as_json:
         _report_json(report)
