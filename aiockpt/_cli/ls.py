@@ -78,7 +78,7 @@ def _step_row(path: Path, step: int) -> StepRow:
     try:
         manifest = read_manifest(path)
     except CheckpointError as exc:
-        row.problem = f"damaged manifest: {exc}"
+        row.problem = str(exc)
         return row
     row.created_at = manifest.created_at
     row.created = iso_utc(manifest.created_at)
