@@ -37,6 +37,8 @@ from ._options import IOConfig as IOConfig
 from ._preemption import Preemption as Preemption
 from ._storage import S3Options as S3Options
 from ._tree import Stateful as Stateful
+from ._verify import VerifyReport as VerifyReport
+from ._verify import verify as verify
 from ._version import __version__ as __version__
 
 __all__ = [
@@ -65,12 +67,14 @@ __all__ = [
     "StateMismatchWarning",
     "Stateful",
     "StorageError",
+    "VerifyReport",
     "__version__",
     "convert",
     "load",
     "read",
     "save",
     "sync",
+    "verify",
 ]
 
 # Tracebacks and reprs say aiockpt.X, not aiockpt._module.X.

@@ -7,7 +7,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, MutableMapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, MutableMapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, overload
@@ -42,7 +42,7 @@ OnBusy = Literal["wait", "skip", "error"]
 
 LATEST = "latest"
 _LOAD_ATTEMPTS = 3
-_STEP_RE = re.compile(r"step-(\d+)")
+STEP_RE = re.compile(r"step-(\d+)")
 
 
 async def _exists(path: Location) -> bool:
@@ -58,11 +58,12 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _scan(root: Path) -> list[int]:
+def scan_steps(root: Path) -> list[int]:
+    """The committed steps under ``root``, oldest first. Blocking."""
     steps = []
     with os.scandir(root) as it:
         for entry in it:
-            m = _STEP_RE.fullmatch(entry.name)
+            m = STEP_RE.fullmatch(entry.name)
             if m and entry.is_dir() and is_checkpoint(Path(entry.path)):
                 steps.append(int(m.group(1)))
     return sorted(steps)
@@ -79,12 +80,46 @@ async def _scan_objects(root: S3Path, *, collect: bool) -> list[int]:
     steps = []
     horizon = time.time() - root.options.stale_after
     for name, (done, newest, keys) in (await children(root)).items():
-        m = _STEP_RE.fullmatch(name)
+        m = STEP_RE.fullmatch(name)
         if m and done:
             steps.append(int(m.group(1)))
         elif m and collect and newest < horizon:
             await delete(root / name, keys)
     return sorted(steps)
+
+
+def doomed_steps(
+    steps: Sequence[int], *, keep_last: int | None, keep_every: int | None, protect: Iterable[int] = ()
+) -> list[int]:
+    """The steps that retention deletes from the committed ``steps`` (oldest first). Pure.
+
+    Retention keeps the newest ``keep_last`` steps (all of them when it is ``None``), every step divisible
+    by ``keep_every``, and the ``protect``ed ones (being loaded); so the newest step is never deleted.
+    """
+    if keep_last is None or len(steps) <= keep_last:
+        return []
+    keep = set(steps[-keep_last:]) | set(protect)
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return [s for s in steps if s not in keep]
+
+
+def delete_steps(root: Path, steps: Iterable[int]) -> list[int]:
+    """Delete the checkpoints of ``steps`` under ``root``; return those that were there. Blocking.
+
+    Each is renamed to a temp name first, which makes its deletion atomic for readers; a crash mid-way
+    leaves only temp data that the next garbage collection removes.
+    """
+    deleted = []
+    for s in steps:
+        trash = root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(root / step_dir_name(s), trash)
+            deleted.append(s)
+            remove_tree(trash)
+    if deleted:
+        fsync_dir(root)
+    return deleted
 
 
 class Checkpointer:
@@ -204,7 +239,7 @@ class Checkpointer:
             root.mkdir(parents=True, exist_ok=True)
             if coordinator:  # the other ranks would race it
                 collect_garbage(root)
-            return _scan(root)
+            return scan_steps(root)
 
         if isinstance(root, S3Path):
             self._steps = await _scan_objects(root, collect=coordinator)
@@ -221,7 +256,7 @@ class Checkpointer:
         if isinstance(root, S3Path):
             self._steps = await _scan_objects(root, collect=False)
         else:
-            self._steps = await run_sync(lambda: _scan(root))
+            self._steps = await run_sync(lambda: scan_steps(root))
         return list(self._steps)
 
     def steps(self) -> list[int]:
@@ -370,26 +405,15 @@ class Checkpointer:
 
         def publish(root: Path) -> None:
             replace_durable(root / LATEST, latest)
-            for s in doomed:
-                # Renaming first makes the deletion atomic for readers; a crash mid-way leaves only temp
-                # data that the next open collects.
-                trash = root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
-                with contextlib.suppress(FileNotFoundError):
-                    os.rename(root / step_dir_name(s), trash)
-                    remove_tree(trash)
-            if doomed:
-                fsync_dir(root)
+            delete_steps(root, doomed)
 
         await run_sync(partial(publish, root))
         self._steps = [s for s in self._steps if s not in doomed]
 
     def _doomed(self, steps: list[int]) -> list[int]:
-        if self.keep_last is None or len(steps) <= self.keep_last:
-            return []
-        keep = set(steps[-self.keep_last :]) | set(self._loading)
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        return [s for s in steps if s not in keep]
+        return doomed_steps(
+            steps, keep_last=self.keep_last, keep_every=self.keep_every, protect=self._loading
+        )
 
     # --- Loading ----------------------------------------------------------------------------------------
 

@@ -143,7 +143,8 @@ class OwnerLock:
         os.close(self._fd)
 
 
-def _owner_alive(lock_path: Path) -> bool:
+def owner_alive(lock_path: Path) -> bool:
+    """Whether a live process holds the ``flock`` on ``lock_path`` (a temp dir's owner lock)."""
     try:
         fd = os.open(lock_path, os.O_RDWR)
     except FileNotFoundError:
@@ -157,15 +158,20 @@ def _owner_alive(lock_path: Path) -> bool:
     return False
 
 
-def collect_garbage(root: Path, *, stale_after: float = 60.0) -> list[Path]:
+def collect_garbage(root: Path, *, stale_after: float = 60.0, dry_run: bool = False) -> list[Path]:
     """Remove temp data in ``root`` whose writer is gone (crashed saves, interrupted deletions).
 
     A temp directory goes once its owner lock is free (or it never had one: deletions in progress are
     idempotent). Loose temp files (lock files, half-written ``latest``) go once unlocked and older than
     ``stale_after`` seconds, which leaves a live writer time to rename them into place.
 
+    Args:
+        root: The directory to clean.
+        stale_after: Age in seconds after which an unlocked loose temp file is garbage.
+        dry_run: Remove nothing; only say what would be removed.
+
     Returns:
-        The paths removed.
+        The paths removed (or that would be).
     """
     removed: list[Path] = []
     try:
@@ -181,13 +187,18 @@ def collect_garbage(root: Path, *, stale_after: float = 60.0) -> list[Path]:
             continue
         lock = entry.with_name(entry.name + LOCK_SUFFIX)
         if is_dir:
-            if _owner_alive(lock):
+            if owner_alive(lock):
                 continue
-        elif age < stale_after or _owner_alive(entry):
+        elif age < stale_after or owner_alive(entry):
+            continue
+        removed.append(entry)
+        if dry_run:
             continue
         remove_tree(entry)
-        removed.append(entry)
         if is_dir:  # its lock was just found free: it goes with the directory
             with contextlib.suppress(FileNotFoundError):
                 lock.unlink()
+    if dry_run:  # a directory's lock goes with it, as above
+        dirs = {p.name + LOCK_SUFFIX for p in removed}
+        removed = [p for p in removed if p.name not in dirs]
     return removed

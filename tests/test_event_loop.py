@@ -51,6 +51,7 @@ async def test_no_blocking_call_on_the_event_loop(tmp_path: Path, guard: list[st
     await handle
     await aiockpt.load(state, tmp_path / "a")
     await aiockpt.read(tmp_path / "b")
+    assert (await aiockpt.verify(tmp_path / "b", progress=lambda done, total: None)).ok
     async with aiockpt.Checkpointer(tmp_path / "root", keep_last=1) as ckpt:
         for step in range(3):
             await ckpt.save(state, step=step)

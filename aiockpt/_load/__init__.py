@@ -21,11 +21,11 @@ from .._options import IOConfig
 from .._storage import Location, S3Path
 from .._threads import run_sync
 from .._tree import render
-from ._manifest import is_checkpoint, read_manifest
+from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
 from ._read import read_into
 
-__all__ = ["hand_over", "is_checkpoint", "read_manifest", "run_load", "run_read", "settle"]
+__all__ = ["hand_over", "is_checkpoint", "published_parts", "read_manifest", "run_load", "run_read", "settle"]
 
 
 async def _manifest(path: Location, limiter: anyio.CapacityLimiter | None) -> Manifest:

@@ -86,7 +86,7 @@ def decode_manifest(raw: bytes, file: str) -> Manifest:
     return manifest
 
 
-def _parts(path: Path) -> tuple[int, list[Path]] | None:
+def published_parts(path: Path) -> tuple[int, list[Path]] | None:
     """The published parts of a collective-free checkpoint: ``(world size, part dirs)``, or ``None``."""
     try:
         names = os.listdir(path)
@@ -111,7 +111,7 @@ def is_checkpoint(path: Path) -> bool:
     """
     if os.path.isfile(path / MANIFEST_NAME):
         return True
-    parts = _parts(path)
+    parts = published_parts(path)
     return parts is not None and len(parts[1]) == parts[0]
 
 
@@ -126,7 +126,7 @@ def read_manifest(path: Path) -> Manifest:
         CorruptionError: The manifest's checksum does not match (names the file).
     """
     if not os.path.isfile(path / MANIFEST_NAME):
-        parts = _parts(path)
+        parts = published_parts(path)
         if parts is not None:
             world, dirs = parts
             if len(dirs) != world:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +102,38 @@ def prepare(
     return reads, copies, keep
 
 
+def chunk_error(directory: Path, manifest: Manifest, tensor: int, chunk: Chunk, what: str) -> CorruptionError:
+    """A :class:`CorruptionError` saying ``what`` is wrong with ``chunk`` of tensor ``tensor``."""
+    key = render(manifest.tensors[tensor].path)
+    file = str(directory / chunk.file)
+    return CorruptionError(
+        f"{what} in {file} for key {key!r} (bytes {chunk.offset}..{chunk.offset + chunk.nbytes})",
+        file=file,
+        key=key,
+    )
+
+
+def read_checked(
+    fd: int, run: Run, scratch: memoryview, checksums: Sequence[tuple[int, ...]] | None
+) -> tuple[list[Piece], list[Piece]]:
+    """Read ``run`` into its pieces' views and verify each against ``checksums[piece.item][piece.block]``.
+
+    ``checksums`` is ``None`` for sources that carry none (foreign formats): only truncation is checked.
+
+    Returns:
+        The pieces the file ended before (truncated), and the pieces whose checksum does not match.
+    """
+    end = run.offset + read_run(fd, run, scratch)
+    short: list[Piece] = []
+    bad: list[Piece] = []
+    for p in run.pieces:
+        if p.offset + len(p.view) > end:
+            short.append(p)
+        elif checksums is not None and crc32c.crc32c(p.view) != checksums[p.item][p.block]:
+            bad.append(p)
+    return short, bad
+
+
 def _release(fds: Iterable[int], copies: list[Callable[[], None]], keep: list[torch.Tensor]) -> None:
     for fd in fds:
         os.close(fd)
@@ -138,6 +170,7 @@ async def read_into(
     ]:
         with paused():
             reads, copies, keep = prepare(manifest, destinations)
+            checksums.extend(r.chunk.checksums for r in reads)
             by_file: dict[str, list[Piece]] = {}
             for i, r in enumerate(reads):
                 by_file.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
@@ -150,16 +183,11 @@ async def read_into(
 
     fds: dict[str, int] = {}
     work: list[deque[tuple[str, Run]]] = []
+    checksums: list[tuple[int, ...]] = []
     reads, copies, keep, by_file = await run_sync(plan_reads, limiter)
 
     def corrupt(r: _Read, what: str) -> CorruptionError:
-        key = render(manifest.tensors[r.tensor].path)
-        return CorruptionError(
-            f"{what} in {directory / r.chunk.file} for key {key!r} (bytes {r.chunk.offset}.."
-            f"{r.chunk.offset + r.chunk.nbytes})",
-            file=str(directory / r.chunk.file),
-            key=key,
-        )
+        return chunk_error(directory, manifest, r.tensor, r.chunk, what)
 
     def open_files() -> None:
         for name, pieces in by_file.items():
@@ -182,15 +210,11 @@ async def read_into(
             if abort.is_set():
                 raise Aborted
             name, run = lane.popleft()
-            got = read_run(fds[name], run, scratch)
-            if got < run.end - run.offset:
-                raise corrupt(reads[run.pieces[-1].item], "data file is truncated")
-            if not verify:
-                continue
-            for p in run.pieces:
-                r = reads[p.item]
-                if crc32c.crc32c(p.view) != r.chunk.checksums[p.block]:
-                    raise corrupt(r, f"checksum mismatch in block {p.block}")
+            short, bad = read_checked(fds[name], run, scratch, checksums if verify else None)
+            if short:
+                raise corrupt(reads[short[0].item], "data file is truncated")
+            if bad:
+                raise corrupt(reads[bad[0].item], f"checksum mismatch in block {bad[0].block}")
 
     try:
         await run_sync(open_files, limiter)

@@ -1,0 +1,348 @@
+"""``aiockpt inspect PATH``: what a checkpoint holds, from its manifest alone (no data is read)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TypedDict
+
+import click
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from .._format import (
+    MANIFEST_NAME,
+    BytesNode,
+    DictNode,
+    KeyPath,
+    ListNode,
+    Manifest,
+    Node,
+    PickleNode,
+    TensorEntry,
+    TensorNode,
+    TupleNode,
+    ValueNode,
+)
+from .._load import published_parts, read_manifest
+from .._tree import dtype_from_name, render
+from ._common import (
+    human_bytes,
+    iso_utc,
+    json_option,
+    jsonable,
+    key_column,
+    local_time,
+    print_json,
+    resolve_checkpoint,
+    stdout,
+    step_option,
+)
+
+SCHEMA = "aiockpt.inspect/1"
+_REPR_WIDTH = 60
+
+
+def _leaves(node: Node, path: KeyPath) -> Iterator[tuple[KeyPath, Node]]:
+    """Every leaf of the tree with its key path; empty containers count as leaves."""
+    if isinstance(node, DictNode):
+        if not node.keys:
+            yield path, node
+        for key, value in zip(node.keys, node.values, strict=True):
+            yield from _leaves(value, (*path, key))
+    elif isinstance(node, (ListNode, TupleNode)):
+        if not node.items:
+            yield path, node
+        for i, item in enumerate(node.items):
+            yield from _leaves(item, (*path, i))
+    else:
+        yield path, node
+
+
+def _statefuls(node: Node, path: KeyPath) -> Iterator[tuple[KeyPath, str]]:
+    """``(key path, class)`` of every Stateful whose ``state_dict()`` was saved."""
+    if isinstance(node, DictNode):
+        if node.origin is not None:
+            yield path, node.origin
+        for key, value in zip(node.keys, node.values, strict=True):
+            yield from _statefuls(value, (*path, key))
+    elif isinstance(node, (ListNode, TupleNode)):
+        for i, item in enumerate(node.items):
+            yield from _statefuls(item, (*path, i))
+
+
+class ChunkDoc(TypedDict):
+    """A stored piece of a tensor: its box of the global tensor and where its bytes are."""
+
+    offsets: list[int]
+    sizes: list[int]
+    file: str
+    offset: int
+    nbytes: int
+
+
+class TensorDoc(TypedDict):
+    """A tensor (``aliases``: the other key paths of a tied tensor)."""
+
+    key: str
+    path: list[str | int]
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    replicated: bool | None
+    files: list[str]
+    chunks: list[ChunkDoc]
+    aliases: list[str]
+
+
+class ValueDoc(TypedDict):
+    """A leaf that is not a tensor. ``value`` is null for bytes and pickled objects (see ``nbytes``)."""
+
+    key: str
+    path: list[str | int]
+    type: str
+    value: object
+    nbytes: int | None
+    pickled: bool
+
+
+class StatefulDoc(TypedDict):
+    """An object saved through its ``state_dict()``; ``type`` is its class."""
+
+    key: str
+    path: list[str | int]
+    type: str
+
+
+class FileDoc(TypedDict):
+    """A data file."""
+
+    name: str
+    nbytes: int
+
+
+class InspectDoc(TypedDict):
+    """The JSON document of ``aiockpt inspect --json`` (schema ``aiockpt.inspect/1``)."""
+
+    schema: str
+    path: str
+    note: str | None
+    format_version: int
+    step: int | None
+    world_size: int
+    created_at: float
+    created: str
+    library_version: str
+    checksum_algorithm: str
+    checksum_block: int
+    user_metadata: dict[str, object]
+    files: list[FileDoc]
+    nbytes: int
+    tensors: list[TensorDoc]
+    values: list[ValueDoc]
+    statefuls: list[StatefulDoc]
+
+
+def _value(path: KeyPath, node: Node) -> ValueDoc:
+    """The JSON form of a leaf that is not a tensor."""
+    doc = ValueDoc(key=render(path), path=list(path), type="", value=None, nbytes=None, pickled=False)
+    if isinstance(node, ValueNode):
+        doc["type"] = type(node.value).__name__ if node.value is not None else "None"
+        doc["value"] = jsonable(node.value)
+    elif isinstance(node, BytesNode):
+        doc["type"], doc["nbytes"] = "bytes", len(node.value)
+    elif isinstance(node, PickleNode):
+        doc["type"], doc["nbytes"], doc["pickled"] = node.type_name, len(node.data), True
+    elif isinstance(node, DictNode):
+        doc["type"], doc["value"] = "dict", {}
+    elif isinstance(node, (ListNode, TupleNode)):
+        doc["type"], doc["value"] = "list" if isinstance(node, ListNode) else "tuple", []
+    return doc
+
+
+def _tensor(entry: TensorEntry, replicated: bool | None, aliases: list[KeyPath]) -> TensorDoc:
+    """The JSON form of a tensor entry."""
+    return TensorDoc(
+        key=render(entry.path),
+        path=list(entry.path),
+        dtype=entry.dtype,
+        shape=list(entry.shape),
+        nbytes=math.prod(entry.shape) * dtype_from_name(entry.dtype).itemsize,
+        replicated=replicated,
+        files=sorted({c.file for c in entry.chunks}),
+        chunks=[
+            ChunkDoc(
+                offsets=list(c.offsets), sizes=list(c.sizes), file=c.file, offset=c.offset, nbytes=c.nbytes
+            )
+            for c in entry.chunks
+        ],
+        aliases=[render(a) for a in aliases],
+    )
+
+
+def part_holders(directory: Path) -> dict[KeyPath, int] | None:
+    """For a collective-free checkpoint, per tensor: how many parts stored one same chunk of it. Blocking.
+
+    ``None`` for other checkpoints: a collective save writes a chunk that several ranks hold once, and
+    records neither who held it nor how many did.
+    """
+    parts = None if (directory / MANIFEST_NAME).is_file() else published_parts(directory)
+    if parts is None:
+        return None
+    boxes: Counter[tuple[KeyPath, tuple[int, ...], tuple[int, ...]]] = Counter()
+    for part in parts[1]:
+        boxes.update({(t.path, c.offsets, c.sizes) for t in read_manifest(part).tensors for c in t.chunks})
+    holders: dict[KeyPath, int] = {}
+    for (path, _, _), count in boxes.items():
+        holders[path] = max(holders.get(path, 0), count)
+    return holders
+
+
+def describe(
+    directory: Path, manifest: Manifest, note: str | None, holders: dict[KeyPath, int] | None
+) -> InspectDoc:
+    """The documented JSON form of a checkpoint (schema ``aiockpt.inspect/1``, see docs/cli.md).
+
+    Args:
+        directory: The checkpoint directory.
+        manifest: Its manifest.
+        note: How the directory was chosen, if not named directly.
+        holders: :func:`part_holders` of the checkpoint.
+    """
+
+    def replicated(entry: TensorEntry) -> bool | None:
+        if manifest.world_size == 1:
+            return False
+        return None if holders is None else holders.get(entry.path, 1) > 1
+
+    paths: dict[int, list[KeyPath]] = {}
+    values = []
+    for path, node in _leaves(manifest.tree, ()):
+        if isinstance(node, TensorNode):
+            paths.setdefault(node.index, []).append(path)
+        else:
+            values.append(_value(path, node))
+    tensors = [
+        _tensor(entry, replicated(entry), [p for p in paths.get(i, []) if p != entry.path])
+        for i, entry in enumerate(manifest.tensors)
+    ]
+    return InspectDoc(
+        schema=SCHEMA,
+        path=str(directory),
+        note=note,
+        format_version=manifest.format_version,
+        step=manifest.step,
+        world_size=manifest.world_size,
+        created_at=manifest.created_at,
+        created=iso_utc(manifest.created_at),
+        library_version=manifest.library_version,
+        checksum_algorithm=manifest.checksum_algorithm,
+        checksum_block=manifest.checksum_block,
+        user_metadata={k: jsonable(v) for k, v in manifest.user_metadata.items()},
+        files=[FileDoc(name=f.name, nbytes=f.nbytes) for f in manifest.files],
+        nbytes=sum(f.nbytes for f in manifest.files),
+        tensors=tensors,
+        values=values,
+        statefuls=[
+            StatefulDoc(key=render(p), path=list(p), type=t) for p, t in _statefuls(manifest.tree, ())
+        ],
+    )
+
+
+def _shape(shape: list[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= _REPR_WIDTH else text[: _REPR_WIDTH - 3] + "..."
+
+
+def _render(doc: InspectDoc) -> None:
+    out = stdout()
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column(overflow="fold")
+    head.add_row("checkpoint", Text(doc["path"]))
+    if doc["note"]:
+        head.add_row("", Text(f"({doc['note']})"))
+    head.add_row("format version", str(doc["format_version"]))
+    head.add_row("step", str(doc["step"]) if doc["step"] is not None else "-")
+    head.add_row("world size", str(doc["world_size"]))
+    head.add_row("created", f"{local_time(doc['created_at'])} ({doc['created']})")
+    head.add_row("library version", doc["library_version"] or "-")
+    head.add_row("checksums", f"{doc['checksum_algorithm']} per {human_bytes(doc['checksum_block'])} block")
+    for key, value in doc["user_metadata"].items():
+        head.add_row("metadata", Text(f"{key} = {value!r}"))
+    for f in doc["files"]:
+        head.add_row("file", Text(f"{f['name']}  {human_bytes(f['nbytes'])}"))
+    tensors = doc["tensors"]
+    head.add_row(
+        "total", f"{human_bytes(doc['nbytes'])}, {len(tensors)} tensor(s), {len(doc['values'])} value(s)"
+    )
+    out.print(head)
+
+    if tensors:
+        table = Table(box=box.SIMPLE, title="tensors", title_justify="left")
+        key_column(table, (t["key"] for t in tensors))
+        table.add_column("dtype")
+        table.add_column("shape")
+        table.add_column("bytes", justify="right")
+        table.add_column("chunks", justify="right")
+        table.add_column("files", overflow="fold")
+        table.add_column("replicated")
+        for t in tensors:
+            table.add_row(
+                Text(t["key"] + "".join(f"\n= {a}" for a in t["aliases"])),
+                t["dtype"],
+                _shape(t["shape"]),
+                human_bytes(t["nbytes"]),
+                str(len(t["chunks"])),
+                ", ".join(t["files"]),
+                {True: "yes", False: "no", None: "-"}[t["replicated"]],
+            )
+        out.print(table)
+
+    if doc["values"]:
+        vt = Table(box=box.SIMPLE, title="values", title_justify="left")
+        key_column(vt, (v["key"] for v in doc["values"]))
+        vt.add_column("type")
+        vt.add_column("value", overflow="fold")
+        for v in doc["values"]:
+            if v["nbytes"] is not None:
+                shown = f"<{v['nbytes']} bytes{', pickled' if v['pickled'] else ''}>"
+            elif v["type"] == "float" and isinstance(v["value"], str):  # nan, inf: stringified for JSON
+                shown = v["value"]
+            else:
+                shown = _short(repr(v["value"]))
+            vt.add_row(Text(v["key"]), Text(v["type"]), Text(shown))
+        out.print(vt)
+
+    if doc["statefuls"]:
+        st = Table(box=box.SIMPLE, title="objects saved through state_dict()", title_justify="left")
+        key_column(st, (s["key"] for s in doc["statefuls"]))
+        st.add_column("type", overflow="fold")
+        for s in doc["statefuls"]:
+            st.add_row(Text(s["key"]), Text(s["type"]))
+        out.print(st)
+
+
+@click.command("inspect", short_help="Describe a checkpoint: header, tensors, values.")
+@click.argument("path")
+@step_option
+@json_option
+def command(path: str, step: int | None, as_json: bool) -> None:
+    """Describe the checkpoint at PATH: header, every tensor, plain values.
+
+    PATH is a checkpoint directory, or a Checkpointer root (then its newest step, or --step). Only the
+    manifest is read; `aiockpt verify` checks the data.
+    """
+    directory, note = resolve_checkpoint(path, step)
+    manifest = read_manifest(directory)
+    doc = describe(directory, manifest, note, part_holders(directory))
+    if as_json:
+        print_json(doc)
+    else:
+        _render(doc)

@@ -1,0 +1,85 @@
+"""``aiockpt prune ROOT``: Checkpointer retention, applied by hand, and temp data of crashed saves removed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .._checkpointer import LATEST, STEP_RE, delete_steps, doomed_steps, scan_steps, step_dir_name
+from .._errors import CheckpointNotFoundError
+from .._fs import absolute, collect_garbage
+from .._load import is_checkpoint
+from ._common import disk_usage, human_bytes, json_option, print_json
+
+SCHEMA = "aiockpt.prune/1"
+
+
+def _latest_step(root: Path) -> int | None:
+    try:
+        m = STEP_RE.fullmatch((root / LATEST).read_text().strip())
+    except FileNotFoundError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+@click.command("prune", short_help="Delete old steps and temp data of crashed saves.")
+@click.argument("root")
+@click.option(
+    "--keep-last", type=click.IntRange(min=1), required=True, help="Keep the newest N committed steps."
+)
+@click.option(
+    "--keep-every", type=click.IntRange(min=1), default=None, help="Also keep every step divisible by K."
+)
+@click.option("--dry-run", is_flag=True, help="Delete nothing; print what would be deleted.")
+@json_option
+def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as_json: bool) -> None:
+    """Delete old committed steps of ROOT, and temp data left by crashed saves.
+
+    Applies the retention of `Checkpointer(keep_last=N, keep_every=K)`: the newest N steps and every
+    step divisible by K stay (so the newest step always does, and so does the one `latest` names).
+    Temp data goes only once its writer is gone: saves running in other processes are safe.
+    """
+    directory = absolute(root)
+    if not directory.is_dir():
+        what = "it is not a directory" if directory.exists() else "it does not exist"
+        raise CheckpointNotFoundError(f"no Checkpointer root at {directory}: {what}")
+    if is_checkpoint(directory):
+        raise CheckpointNotFoundError(f"{directory} is a checkpoint, not a Checkpointer root")
+    steps = scan_steps(directory)
+    latest = _latest_step(directory)
+    doomed = doomed_steps(
+        steps, keep_last=keep_last, keep_every=keep_every, protect=() if latest is None else (latest,)
+    )
+    sizes = {s: disk_usage(directory / step_dir_name(s)) for s in doomed}
+    garbage = collect_garbage(directory, dry_run=True)
+    garbage_sizes = {p: disk_usage(p) for p in garbage}
+    if not dry_run:
+        doomed = delete_steps(directory, doomed)
+        garbage = collect_garbage(directory)
+    freed = sum(sizes[s] for s in doomed) + sum(garbage_sizes.get(p, 0) for p in garbage)
+    kept = [s for s in steps if s not in doomed]
+    if as_json:
+        print_json(
+            {
+                "schema": SCHEMA,
+                "root": str(directory),
+                "dry_run": dry_run,
+                "deleted_steps": doomed,
+                "removed_temp": [p.name for p in garbage],
+                "kept_steps": kept,
+                "freed_nbytes": freed,
+            }
+        )
+        return
+    verb = "would delete" if dry_run else "deleted"
+    for s in doomed:
+        click.echo(f"{verb} {step_dir_name(s)} ({human_bytes(sizes[s])})")
+    for p in garbage:
+        size = human_bytes(garbage_sizes.get(p, 0))
+        click.echo(f"{verb} {p.name} ({size}): temp data whose writer is gone")
+    entries = "entry" if len(garbage) == 1 else "entries"
+    click.echo(
+        f"{verb} {len(doomed)} step(s) and {len(garbage)} temp {entries}, {human_bytes(freed)}; "
+        f"kept {len(kept)} step(s): {kept}"
+    )

@@ -1,0 +1,106 @@
+"""``aiockpt verify PATH``: read back every byte of a checkpoint and check every block's checksum."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import anyio
+import click
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from .._options import IOConfig
+from .._verify import VerifyReport, verify
+from ._common import (
+    human_bytes,
+    json_option,
+    no_progress_option,
+    print_json,
+    resolve_checkpoint,
+    show_progress,
+    stderr,
+    step_option,
+)
+
+SCHEMA = "aiockpt.verify/1"
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A ``progress(done, total)`` callback drawing a bytes bar on stderr, or ``None`` when disabled."""
+    if not enabled:
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=stderr(), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _report_json(report: VerifyReport) -> None:
+    print_json(
+        {
+            "schema": SCHEMA,
+            "path": report.path,
+            "ok": report.ok,
+            "tensors": report.num_tensors,
+            "chunks": report.num_chunks,
+            "nbytes": report.nbytes,
+            "problems": [{"key": p.key, "file": p.file, "message": str(p)} for p in report.problems],
+        }
+    )
+
+
+@click.command("verify", short_help="Check every checksum of a checkpoint.")
+@click.argument("path")
+@step_option
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=IOConfig().threads,
+    show_default=True,
+    help="Reader threads.",
+)
+@no_progress_option
+@json_option
+def command(path: str, step: int | None, threads: int, no_progress: bool, as_json: bool) -> int:
+    """Check the integrity of the checkpoint at PATH.
+
+    Reads every chunk of every data file and checks every block's CRC32C, and the manifest's checksum,
+    in bounded memory. Prints one line per damaged chunk (naming its key and file) and exits with 1 if
+    there is any, 0 if everything verified. PATH is a checkpoint directory, or a Checkpointer root (then
+    its newest step, or --step).
+    """
+    directory, note = resolve_checkpoint(path, step)
+    if note is not None and not as_json:
+        click.echo(f"verifying {directory.name}, {note}", err=True)
+    with _progress_bar(show_progress(no_progress), f"verifying {directory.name}") as progress:
+        report = anyio.run(lambda: verify(directory, io=IOConfig(threads=threads), progress=progress))
+    if as_json:
+        _report_json(report)
+    else:
+        for problem in report.problems:
+            click.echo(f"CORRUPT {problem}")
+        what = f"{report.num_tensors} tensor(s), {report.num_chunks} chunk(s), {human_bytes(report.nbytes)}"
+        if report.ok:
+            click.echo(f"OK: {what} verified in {report.path}")
+        else:
+            click.echo(f"FAILED: {len(report.problems)} damaged in {report.path} ({what})")
+    return 0 if report.ok else 1

@@ -1,0 +1,268 @@
+"""Verifying a checkpoint without loading it: every block of every chunk is read back and checksummed.
+
+Verification reuses the load path's pieces (``_runs``: checksum blocks grouped into runs, runs split
+into sequential lanes, one per thread) and its check (``read_checked``), but reads each run into a
+buffer its thread reuses, so memory stays bounded (about ``RUN_BYTES`` per thread) whatever the size of
+the checkpoint. Unlike a load it does not stop at the first damage: it reports every damaged chunk.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from ._errors import CorruptionError, StorageError
+from ._format import Chunk, Manifest
+from ._fs import absolute
+from ._gc import paused
+from ._load import read_manifest
+from ._load._read import chunk_error, read_checked
+from ._options import IOConfig
+from ._runs import MAX_GAP, Piece, Run, group, lanes
+from ._threads import run_sync, run_workers
+
+# How often ``progress`` hears about the bytes verified so far.
+_PROGRESS_INTERVAL = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """What :func:`verify` found.
+
+    Attributes:
+        path: The checkpoint directory verified.
+        problems: One :class:`CorruptionError` per damaged chunk (or for a damaged manifest), in file
+            order; each names the key (``error.key``) and the file (``error.file``). Empty when every
+            checksum matched.
+        num_tensors: Tensors whose chunks were checked.
+        num_chunks: Chunks checked.
+        nbytes: Bytes of tensor data the manifest describes (all of them are read unless a file is
+            missing or truncated).
+    """
+
+    path: str
+    problems: tuple[CorruptionError, ...]
+    num_tensors: int
+    num_chunks: int
+    nbytes: int
+
+    @property
+    def ok(self) -> bool:
+        """Whether the manifest and every chunk verified."""
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class _Item:
+    tensor: int
+    chunk: Chunk
+
+
+class _Problems:
+    """The damage found so far, at most one report per chunk (workers add to it from their threads)."""
+
+    def __init__(self, directory: Path, manifest: Manifest, items: list[_Item]) -> None:
+        self._directory = directory
+        self._manifest = manifest
+        self._items = items
+        self._lock = threading.Lock()
+        self._found: dict[int, CorruptionError] = {}
+
+    def add(self, item: int, what: str) -> None:
+        i = self._items[item]
+        error = chunk_error(self._directory, self._manifest, i.tensor, i.chunk, what)
+        with self._lock:
+            self._found.setdefault(item, error)
+
+    def in_file_order(self) -> tuple[CorruptionError, ...]:
+        def order(item: int) -> tuple[str, int]:
+            return self._items[item].chunk.file, self._items[item].chunk.offset
+
+        return tuple(self._found[i] for i in sorted(self._found, key=order))
+
+
+def _plan(manifest: Manifest) -> tuple[list[_Item], dict[str, list[Piece]]]:
+    """Every chunk, and per data file its checksum blocks as pieces sorted by offset.
+
+    The pieces' views are placeholders of the right length (slices of one shared zero block); a worker
+    points them into its own buffer just before reading their run.
+    """
+    block = manifest.checksum_block
+    blank = memoryview(bytes(block))
+    items: list[_Item] = []
+    by_file: dict[str, list[Piece]] = {}
+    for t, entry in enumerate(manifest.tensors):
+        for chunk in entry.chunks:
+            item = len(items)
+            items.append(_Item(t, chunk))
+            pieces = by_file.setdefault(chunk.file, [])
+            starts = range(0, chunk.nbytes, block) or range(1)  # an empty chunk is one empty block
+            pieces.extend(
+                Piece(chunk.offset + s, blank[: min(block, chunk.nbytes - s)], item, i)
+                for i, s in enumerate(starts)
+            )
+    for pieces in by_file.values():
+        pieces.sort(key=lambda p: p.offset)
+    return items, by_file
+
+
+async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], None]) -> None:
+    """Await ``run()``, calling ``report()`` every ``_PROGRESS_INTERVAL`` meanwhile and once at the end.
+
+    An exception of either is raised as it is (not in an exception group), after the other is cancelled.
+    """
+    errors: list[Exception] = []
+
+    async def ticking() -> None:
+        while True:
+            report()
+            await anyio.sleep(_PROGRESS_INTERVAL)
+
+    async with anyio.create_task_group() as tg:
+
+        async def guarded(fn: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await fn()
+            except Exception as exc:
+                errors.append(exc)
+            finally:
+                tg.cancel_scope.cancel()  # the first to end (``run``, or a failure) ends both
+
+        tg.start_soon(guarded, run)
+        tg.start_soon(guarded, ticking)
+    if errors:
+        raise errors[0]
+    report()
+
+
+def _close_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+async def verify(
+    path: str | os.PathLike[str],
+    *,
+    io: IOConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Check a checkpoint's integrity without loading it: its manifest, and every block of every chunk.
+
+    Each data file is read in full (in ``io.threads`` threads, each through a buffer of a few MiB that it
+    reuses, so memory use does not grow with the checkpoint) and every block's CRC32C compared with the
+    manifest's. Unlike :func:`load`, verification goes on past the first damaged chunk and reports all of
+    them. A collective-free checkpoint is verified part by part, through its merged manifest.
+
+    Args:
+        path: A checkpoint directory.
+        io: I/O tuning (``threads`` readers).
+        progress: Called on the event loop as ``progress(bytes_done, bytes_total)`` a few times a second
+            while data is read, and once at the end.
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is true when nothing is damaged, otherwise
+        ``report.problems`` holds one :class:`CorruptionError` per damaged chunk (checksum mismatch, file
+        missing, truncated or unreadable) or for a damaged manifest.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint (no manifest, or parts missing).
+        FormatError: The manifest is not an aiockpt manifest, or has a newer format version.
+        StorageError: A data file exists but cannot be opened.
+    """
+    directory = absolute(path)
+    io = io or IOConfig()
+    with paused(io.pause_gc):
+        return await _verify(directory, io, progress)
+
+
+async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], None] | None) -> VerifyReport:
+    try:
+        manifest = await run_sync(lambda: read_manifest(directory))
+    except CorruptionError as exc:
+        return VerifyReport(path=str(directory), problems=(exc,), num_tensors=0, num_chunks=0, nbytes=0)
+
+    def plan() -> tuple[list[_Item], dict[str, list[Piece]]]:
+        with paused():
+            return _plan(manifest)
+
+    items, by_file = await run_sync(plan)
+    problems = _Problems(directory, manifest, items)
+    checksums = [i.chunk.checksums for i in items]
+    total = sum(i.chunk.nbytes for i in items)
+    fds: dict[str, int] = {}
+    work: list[tuple[int, deque[tuple[str, Run]]]] = []
+    done: list[int] = []
+
+    def open_files() -> None:
+        jobs: list[tuple[str, Run]] = []
+        for name, pieces in by_file.items():
+            try:
+                fd = os.open(directory / name, os.O_RDONLY)
+            except FileNotFoundError:
+                for p in pieces:
+                    problems.add(p.item, "data file is missing")
+                continue
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot open {directory / name}: {exc.strerror or exc}", path=str(directory / name)
+                ) from exc
+            fds[name] = fd
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            size = os.fstat(fd).st_size
+            for p in pieces:
+                if p.offset + len(p.view) > size:
+                    problems.add(p.item, "data file is truncated")
+            jobs.extend((name, run) for run in group([p for p in pieces if p.offset + len(p.view) <= size]))
+        work.extend(enumerate(lanes(jobs, io.threads, lambda job: job[1].end - job[1].offset)))
+        done.extend(0 for _ in work)
+
+    def worker(abort: threading.Event) -> None:
+        index, lane = work.pop()
+        # A run spans at most RUN_BYTES (or one block, if larger) plus an alignment gap.
+        buf = memoryview(bytearray(max(run.end - run.offset for _, run in lane)))
+        scratch = memoryview(bytearray(MAX_GAP))
+        while lane:
+            if abort.is_set():
+                return
+            name, run = lane.popleft()
+            for p in run.pieces:
+                start = p.offset - run.offset
+                p.view = buf[start : start + len(p.view)]
+            try:
+                short, bad = read_checked(fds[name], run, scratch, checksums)
+            except OSError as exc:
+                for p in run.pieces:
+                    problems.add(p.item, f"read error ({exc.strerror or exc})")
+            else:
+                for p in short:
+                    problems.add(p.item, "data file is truncated")
+                for p in bad:
+                    problems.add(p.item, f"checksum mismatch in block {p.block}")
+            done[index] += sum(len(p.view) for p in run.pieces)
+
+    async def read_all() -> None:
+        if work:
+            await run_workers(worker, len(work))
+
+    try:
+        await run_sync(open_files)
+        if progress is None:
+            await read_all()
+        else:
+            await _reporting(read_all, lambda: progress(sum(done), total))
+    finally:
+        with anyio.CancelScope(shield=True):
+            await run_sync(lambda: _close_all(fds.values()))
+    return VerifyReport(
+        path=str(directory),
+        problems=problems.in_file_order(),
+        num_tensors=len(manifest.tensors),
+        num_chunks=len(items),
+        nbytes=total,
+    )
