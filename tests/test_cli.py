@@ -384,3 +384,75 @@ def test_prune_applies_the_checkpointer_retention_and_removes_crashed_saves(tmp_
     with sync.Checkpointer(root) as ckpt:
         assert ckpt.steps() == kept
         assert ckpt.load(_state(0)) == 10
+
+
+# --- convert --------------------------------------------------------------------------------------------
+
+
+def test_convert_round_trips_through_every_format_bit_exactly(root: Path, tmp_path: Path) -> None:
+    tensors = {
+        "emb": torch.randn(40, 16).to(torch.bfloat16),
+        "ids": torch.arange(1000, dtype=torch.int64),
+        "mask": torch.rand(33) > 0.5,
+    }
+    with sync.Checkpointer(root) as ckpt:  # the CLI takes a Checkpointer root: its newest step
+        ckpt.save({**tensors, "epoch": 3}, step=1)
+        ckpt.save({k: v + 1 if v.dtype != torch.bool else ~v for k, v in tensors.items()}, step=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    st, pt, dcp, sharded = out / "w.safetensors", out / "w.pt", out / "dcp", out / "hf"
+    first = cli_many(
+        ("convert", root, st, "--to", "safetensors", "--step", "1", "--drop-non-tensors"),
+        ("convert", root, pt, "--to", "torch", "--step", "1"),
+        ("convert", root, dcp, "--to", "dcp", "--step", "1", "--json"),
+        ("convert", root, sharded, "--to", "safetensors", "--step", "1", "--drop-non-tensors",
+         "--max-shard-size", "2KB"),
+    )  # fmt: skip
+    for r in first:
+        assert r.returncode == 0, r.stderr
+    assert first[0].stdout.startswith(f"wrote {st} (safetensors")
+    doc = json.loads(first[2].stdout)
+    assert doc["schema"] == "aiockpt.convert/1"
+    assert (doc["path"], doc["to"]) == (str(dcp), "dcp")
+    assert doc["nbytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    # Past --max-shard-size the Hugging Face layout has shards and an index naming every tensor.
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    assert len(set(index["weight_map"].values())) > 1
+
+    # ... and back into aiockpt checkpoints, each compared with the step-1 tensors.
+    back = [out / f"back-{i}" for i in range(4)]
+    sources = (st, pt, dcp, sharded)
+    second = cli_many(
+        *(("convert", src, dst, "--to", "aiockpt") for src, dst in zip(sources, back, strict=True))
+    )
+    for r in second:
+        assert r.returncode == 0, r.stderr
+    for dst in back:
+        tree = sync.read(dst)
+        for key, t in tensors.items():
+            got = tree[key]
+            assert isinstance(got, torch.Tensor)
+            assert got.dtype == t.dtype
+            assert torch.equal(got, t), (dst, key)
+
+
+def test_convert_errors_are_one_line(ckpt_path: Path, tmp_path: Path) -> None:
+    sync.save({"w": torch.ones(3), "lr": 0.1}, ckpt_path)
+    existing = tmp_path / "exists.pt"
+    existing.write_bytes(b"keep me")
+    refused, exists, bad_size, bad_format = cli_many(
+        ("convert", ckpt_path, tmp_path / "w.safetensors", "--to", "safetensors"),
+        ("convert", ckpt_path, existing, "--to", "torch"),
+        ("convert", ckpt_path, tmp_path / "x", "--to", "safetensors", "--max-shard-size", "5XB"),
+        ("convert", ckpt_path, tmp_path / "y", "--to", "onnx"),
+    )
+    line = one_error_line(refused, 2)
+    assert "'lr'" in line
+    assert "--drop-non-tensors" in line
+    assert not (tmp_path / "w.safetensors").exists()
+    assert "already exists" in one_error_line(exists, 2)
+    assert existing.read_bytes() == b"keep me"
+    assert "'5XB' is not a size" in one_error_line(bad_size, 2)
+    assert "onnx" in one_error_line(bad_format, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", "exists.pt"])

@@ -12,10 +12,16 @@ import click
 
 from .._errors import CheckpointError, CorruptionError
 from .._version import __version__
-from . import inspect, ls, prune, verify
+from . import convert, inspect, ls, prune, verify
 
 # Adding a subcommand: a module defining ``command``, listed here.
-COMMANDS: tuple[click.Command, ...] = (ls.command, inspect.command, verify.command, prune.command)
+COMMANDS: tuple[click.Command, ...] = (
+    ls.command,
+    inspect.command,
+    verify.command,
+    prune.command,
+    convert.command,
+)
 
 EXIT_DAMAGED = 1
 EXIT_USAGE = 2
@@ -25,7 +31,7 @@ EXIT_INTERRUPTED = 130
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "-V", "--version", prog_name="aiockpt")
 def cli() -> None:
-    """Inspect, verify and prune aiockpt checkpoints."""
+    """Inspect, verify, prune and convert aiockpt checkpoints."""
 
 
 for _command in COMMANDS:

@@ -7,12 +7,20 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from .._checkpointer import scan_steps, step_dir_name
@@ -40,6 +48,28 @@ def stderr() -> Console:
 def show_progress(no_progress: bool) -> bool:
     """Whether to draw progress bars: on a terminal, unless ``--no-progress``."""
     return not no_progress and sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A ``progress(done, total)`` callback drawing a bytes bar on stderr, or ``None`` when disabled."""
+    if not enabled:
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=stderr(), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
 
 
 no_progress_option = click.option(

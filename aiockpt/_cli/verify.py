@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-
 import anyio
 import click
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from .._options import IOConfig
 from .._verify import VerifyReport, verify
@@ -23,35 +12,13 @@ from ._common import (
     json_option,
     no_progress_option,
     print_json,
+    progress_bar,
     resolve_checkpoint,
     show_progress,
-    stderr,
     step_option,
 )
 
 SCHEMA = "aiockpt.verify/1"
-
-
-@contextlib.contextmanager
-def _progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
-    """A ``progress(done, total)`` callback drawing a bytes bar on stderr, or ``None`` when disabled."""
-    if not enabled:
-        yield None
-        return
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=stderr(), transient=True) as bar:
-        task = bar.add_task(label, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
 
 
 def _report_json(report: VerifyReport) -> None:
@@ -91,7 +58,7 @@ def command(path: str, step: int | None, threads: int, no_progress: bool, as_jso
     directory, note = resolve_checkpoint(path, step)
     if note is not None and not as_json:
         click.echo(f"verifying {directory.name}, {note}", err=True)
-    with _progress_bar(show_progress(no_progress), f"verifying {directory.name}") as progress:
+    with progress_bar(show_progress(no_progress), f"verifying {directory.name}") as progress:
         report = anyio.run(lambda: verify(directory, io=IOConfig(threads=threads), progress=progress))
     if as_json:
         _report_json(report)

@@ -97,7 +97,7 @@ def named_tensors(tree: Mapping[Key, object], *, drop_non_tensors: bool) -> list
         shown = ", ".join(repr(render(p)) for p in others[:20]) + (" ..." if len(others) > 20 else "")
         raise StateError(
             f"safetensors holds only tensors; the source also holds {len(others)} other value(s): {shown}. "
-            "Pass drop_non_tensors=True to leave them out",
+            "Pass drop_non_tensors=True (--drop-non-tensors on the command line) to leave them out",
             key=render(others[0]),
         )
     return list(out.items())
@@ -267,14 +267,14 @@ async def convert(
             keys where known.
         FormatError: The source is unreadable.
         StorageError: Writing failed; nothing is left at ``dst``.
-        ValueError: ``to`` or ``max_shard_size`` is invalid.
+        CheckpointError: ``to`` or ``max_shard_size`` is invalid (as for every other bad argument).
     """
     from .._api import read
 
     if to not in ("aiockpt", "torch", "safetensors", "dcp"):
-        raise ValueError(f"to must be 'aiockpt', 'torch', 'safetensors' or 'dcp', not {to!r}")
+        raise CheckpointError(f"to must be 'aiockpt', 'torch', 'safetensors' or 'dcp', not {to!r}")
     if max_shard_size <= 0:
-        raise ValueError(f"max_shard_size must be positive, not {max_shard_size}")
+        raise CheckpointError(f"max_shard_size must be positive, not {max_shard_size}")
     io = io or IOConfig()
     target = absolute(dst)
     if await run_sync(lambda: os.path.lexists(target)):
