@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -41,6 +42,33 @@ def _pieces(plan: RankPlan, sources: Sequence[memoryview], block: int) -> list[P
     for j, w in enumerate(plan.writes):
         pieces += split(w.offset, sources[w.item], j, block)
     return pieces
+
+
+def checksum_runs(
+    runs: deque[Run],
+    sums: list[list[int]],
+    abort: threading.Event,
+    then: Callable[[Run], None] | None = None,
+) -> None:
+    """A worker's loop: take runs until none is left, checksum each, hand it to ``then`` (e.g. write it).
+
+    Each piece's CRC32C goes to ``sums[item][block]`` while the piece is hot in cache. Several workers
+    share ``runs``.
+
+    Raises:
+        Aborted: ``abort`` was set (checked between runs).
+    """
+    while True:
+        if abort.is_set():
+            raise Aborted
+        try:
+            run = runs.popleft()
+        except IndexError:
+            return
+        for p in run.pieces:
+            sums[p.item][p.block] = crc32c.crc32c(p.view)
+        if then is not None:
+            then(run)
 
 
 async def write(
@@ -79,21 +107,10 @@ async def write(
             raise
         return fd
 
-    def worker(abort: threading.Event) -> None:
-        while True:
-            if abort.is_set():
-                raise Aborted
-            try:
-                run = runs.popleft()
-            except IndexError:
-                return
-            for p in run.pieces:
-                sums[p.item][p.block] = crc32c.crc32c(p.view)
-            write_run(fd, run)
-
     try:
         fd = await acquire_sync(open_file, limiter)
-        await run_workers(worker, min(threads, max(1, len(runs))), limiter)
+        work = partial(checksum_runs, runs, sums, then=lambda run: write_run(fd, run))
+        await run_workers(work, min(threads, max(1, len(runs))), limiter)
         await run_sync(lambda: os.fsync(fd), limiter)
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc

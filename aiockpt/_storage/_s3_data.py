@@ -10,7 +10,6 @@ destination memory while checksumming it, in a worker thread.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -27,8 +26,8 @@ from .._format import Manifest
 from .._gc import paused
 from .._load._read import prepare
 from .._runs import MAX_GAP, Piece, Run, group, split
-from .._save._write import WriteResult, _pieces, blocks
-from .._threads import Aborted, run_sync, run_workers
+from .._save._write import WriteResult, _pieces, blocks, checksum_runs
+from .._threads import run_sync, run_workers
 from .._tree import render
 from ._s3 import ERRORS, _failed, store, url
 
@@ -176,18 +175,7 @@ async def upload(
     runs: deque[Run] = deque(group(pieces))
     sums = [[0] * blocks(len(sources[w.item]), block) for w in plan.writes]
 
-    def checksum(abort: threading.Event) -> None:
-        while True:
-            if abort.is_set():
-                raise Aborted
-            try:
-                run = runs.popleft()
-            except IndexError:
-                return
-            for p in run.pieces:
-                sums[p.item][p.block] = crc32c.crc32c(p.view)
-
-    await run_workers(checksum, min(threads, max(1, len(runs))), limiter)
+    await run_workers(partial(checksum_runs, runs, sums), min(threads, max(1, len(runs))), limiter)
     key = (path / plan.file).key
     try:
         await _put(path, key, _body(pieces, plan.nbytes), plan.nbytes)
