@@ -19,12 +19,12 @@ import anyio
 
 from ._errors import CorruptionError, StorageError
 from ._format import Chunk, Manifest
-from ._fs import absolute
 from ._gc import paused
 from ._load import read_manifest
 from ._load._read import chunk_error, read_checked
 from ._options import IOConfig
 from ._runs import MAX_GAP, Piece, Run, group, lanes
+from ._storage import local
 from ._threads import run_sync, run_workers
 
 # How often ``progress`` hears about the bytes verified so far.
@@ -175,7 +175,7 @@ async def verify(
         FormatError: The manifest is not an aiockpt manifest, or has a newer format version.
         StorageError: A data file exists but cannot be opened.
     """
-    directory = absolute(path)
+    directory = local(path, "verify")
     io = io or IOConfig()
     with paused(io.pause_gc):
         return await _verify(directory, io, progress)

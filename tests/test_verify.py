@@ -164,6 +164,17 @@ async def test_collective_free_parts_are_verified_through_the_merged_manifest(ck
     assert [(p.key, p.file) for p in report.problems] == [("b", str(part / file_b))]
 
 
+async def test_object_storage_urls_are_refused_by_name(tmp_path: Path) -> None:
+    # verify and convert read local files only; an s3:// URL must not turn into a local path "s3:/...".
+    for call in (
+        aiockpt.verify("s3://bucket/run/step-1"),
+        aiockpt.convert(tmp_path / "src", "s3://bucket/out", to="aiockpt"),
+    ):
+        with pytest.raises(aiockpt.CheckpointError, match="local paths only, not on 's3://bucket/"):
+            await call
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_memory_stays_bounded_whatever_the_checkpoint_size(tmp_path: Path) -> None:
     """A 256 MiB checkpoint is verified with a few tens of MiB of extra resident memory."""
     path = tmp_path / "big"

@@ -25,8 +25,8 @@ from rich.table import Table
 
 from .._checkpointer import scan_steps, step_dir_name
 from .._errors import CheckpointNotFoundError
-from .._fs import absolute
 from .._load import is_checkpoint
+from .._storage import local
 
 # Piped output is read by people with wide terminals, by grep and by tests: wide enough that key paths
 # seldom fold. An explicit COLUMNS wins.
@@ -146,7 +146,7 @@ def resolve_checkpoint(path: str, step: int | None) -> tuple[Path, str | None]:
         click.UsageError: ``--step`` was given with a checkpoint directory.
         CheckpointNotFoundError: ``path`` does not exist, is no checkpoint nor root, or lacks ``step``.
     """
-    directory = absolute(path)
+    directory = local(path, "the aiockpt command line")
     if is_checkpoint(directory):
         if step is not None:
             raise click.UsageError(f"{directory} is a checkpoint, not a Checkpointer root: drop --step")

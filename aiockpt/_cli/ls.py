@@ -14,8 +14,9 @@ from rich.text import Text
 from .._checkpointer import LATEST, STEP_RE
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import PART_RE, part_dir_name
-from .._fs import LOCK_SUFFIX, TMP_PREFIX, absolute, owner_alive
+from .._fs import LOCK_SUFFIX, TMP_PREFIX, owner_alive
 from .._load import is_checkpoint, published_parts, read_manifest
+from .._storage import local
 from ._common import disk_usage, human_bytes, iso_utc, json_option, local_time, print_json, stdout
 
 SCHEMA = "aiockpt.ls/1"
@@ -198,7 +199,7 @@ def command(root: str, as_json: bool) -> None:
     one `latest` points to, and flags what is not a complete checkpoint: saves in progress, temp data
     of crashed saves, interrupted deletions, collective-free checkpoints with missing parts.
     """
-    directory = absolute(root)
+    directory = local(root, "the aiockpt command line")
     steps, others, latest = list_root(directory)
     if as_json:
         print_json(

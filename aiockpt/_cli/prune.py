@@ -8,8 +8,9 @@ import click
 
 from .._checkpointer import LATEST, STEP_RE, delete_steps, doomed_steps, scan_steps, step_dir_name
 from .._errors import CheckpointNotFoundError
-from .._fs import absolute, collect_garbage
+from .._fs import collect_garbage
 from .._load import is_checkpoint
+from .._storage import local
 from ._common import disk_usage, human_bytes, json_option, print_json
 
 SCHEMA = "aiockpt.prune/1"
@@ -40,7 +41,7 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
     step divisible by K stay (so the newest step always does, and so does the one `latest` names).
     Temp data goes only once its writer is gone: saves running in other processes are safe.
     """
-    directory = absolute(root)
+    directory = local(root, "the aiockpt command line")
     if not directory.is_dir():
         what = "it is not a directory" if directory.exists() else "it does not exist"
         raise CheckpointNotFoundError(f"no Checkpointer root at {directory}: {what}")

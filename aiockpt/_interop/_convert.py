@@ -24,11 +24,12 @@ import torch
 
 from .._errors import CheckpointError, CheckpointExistsError, StateError, StorageError
 from .._format import Key, KeyPath
-from .._fs import TMP_PREFIX, absolute, fsync_dir, remove_tree, rename_noreplace
+from .._fs import TMP_PREFIX, fsync_dir, remove_tree, rename_noreplace
 from .._handle import SaveMetrics
 from .._memory import StagingPool, byte_view, nbytes_of
 from .._options import IOConfig
 from .._save import SaveRequest, run_save
+from .._storage import local
 from .._threads import run_sync
 from .._tree import dtype_name, render
 from .._world import LocalWorld
@@ -276,7 +277,7 @@ async def convert(
     if max_shard_size <= 0:
         raise CheckpointError(f"max_shard_size must be positive, not {max_shard_size}")
     io = io or IOConfig()
-    target = absolute(dst)
+    target = local(dst, "convert")
     if await run_sync(lambda: os.path.lexists(target)):
         raise CheckpointExistsError(f"{target} already exists; convert never overwrites")
     tree = await read(src, allow_pickle=allow_pickle, io=io)

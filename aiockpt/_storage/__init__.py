@@ -119,3 +119,17 @@ def resolve(path: str | os.PathLike[str] | S3Path, s3: S3Options | None = None) 
     if any(part in (".", "..") for part in key.split("/")):
         raise CheckpointError(f"{path!r}: '.' and '..' are not allowed in an object key")
     return S3Path(bucket, key, s3 or S3Options())
+
+
+def local(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` made absolute, for operations that work on the local file system only.
+
+    Raises:
+        CheckpointError: ``path`` is an ``s3://`` URL; the message names ``what`` refused it.
+    """
+    if is_url(path):
+        raise CheckpointError(
+            f"{what} works on local paths only, not on {os.fspath(path)!r}: use aiockpt.load, "
+            "aiockpt.read or a Checkpointer for s3:// checkpoints"
+        )
+    return absolute(path)
