@@ -21,11 +21,19 @@ class IOConfig:
             collections that hold the GIL for 100 ms and more, stalling the event loop; paused, those
             objects are freed before the collector resumes. Cyclic garbage made meanwhile by other code
             is collected once the last save or load in flight ends.
+        direct_reads: Read local checkpoint files with ``O_DIRECT``, bypassing the page cache: each reader
+            thread reads a run into its own page-aligned buffer, verifies its blocks there and copies them
+            into place. The kernel then does almost no work per byte (no page-cache pages to allocate,
+            fill and later evict), which on a small machine is what stalls the event loop during a
+            buffered load; the price is a user-space copy, and a checkpoint that is still in the page
+            cache (just saved) is read from the device again. Files or platforms that refuse
+            ``O_DIRECT`` are read through the page cache as usual.
     """
 
     threads: int = 4
     checksum_block: int = 4 << 20
     pause_gc: bool = True
+    direct_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 1:

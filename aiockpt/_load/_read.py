@@ -2,11 +2,14 @@
 
 Whole-tensor chunks whose destination is a contiguous CPU tensor are read into its memory (no copy).
 Others (slices of a resharded tensor, non-contiguous or GPU targets) are read into host buffers and
-copied into place afterwards, in a worker thread.
+copied into place afterwards, in a worker thread. With ``direct`` reads, each run is read with
+``O_DIRECT`` into its reader's page-aligned bounce buffer instead, verified there and copied into place.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import threading
 from collections import deque
@@ -28,6 +31,11 @@ from .._tree import dtype_from_name, render
 from ._match import Destination
 
 _ByFile = dict[str, list[Piece]]
+
+# O_DIRECT needs file offsets, lengths and buffer addresses aligned to the device's logical block size
+# (512 or 4096 bytes); page alignment satisfies every device.
+_DIO_ALIGN = mmap.PAGESIZE
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass
@@ -134,6 +142,59 @@ def read_checked(
     return short, bad
 
 
+def _dio_span(run: Run) -> tuple[int, int]:
+    """The file range ``[start, stop)`` that covers ``run``, widened to ``O_DIRECT`` alignment."""
+    return run.offset - run.offset % _DIO_ALIGN, -(-run.end // _DIO_ALIGN) * _DIO_ALIGN
+
+
+def read_checked_direct(
+    fd: int, run: Run, bounce: memoryview, address: int, checksums: Sequence[tuple[int, ...]] | None
+) -> tuple[list[Piece], list[Piece]]:
+    """Like :func:`read_checked`, for ``fd`` opened with ``O_DIRECT``: read into ``bounce``, verify, copy.
+
+    ``bounce`` is page-aligned memory at ``address``, at least as long as the run's :func:`_dio_span`.
+    Only blocks that verify are copied into their pieces' views. The copies run through ``ctypes``, which
+    releases the GIL, so the event loop keeps running while a reader copies.
+
+    Returns:
+        The pieces the file ended before (truncated), and the pieces whose checksum does not match.
+    """
+    start, stop = _dio_span(run)
+    got = 0
+    while start + got < stop:
+        done = os.preadv(fd, [bounce[got : stop - start]], start + got)
+        got += done
+        # Only the end of the file makes a read return less than asked, or an unaligned count.
+        if done == 0 or got % _DIO_ALIGN:
+            break
+    end = start + got
+    short: list[Piece] = []
+    bad: list[Piece] = []
+    for p in run.pieces:
+        n = len(p.view)
+        if p.offset + n > end:
+            short.append(p)
+            continue
+        at = p.offset - start
+        if checksums is not None and crc32c.crc32c(bounce[at : at + n]) != checksums[p.item][p.block]:
+            bad.append(p)
+        elif n:
+            ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(p.view)), address + at, n)
+    return short, bad
+
+
+def _open_direct(path: Path) -> int | None:
+    """``path`` opened with ``O_DIRECT``, or ``None`` where the platform or file system refuses it."""
+    if not _O_DIRECT:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | _O_DIRECT)
+    except OSError:
+        # EINVAL from file systems without direct I/O (tmpfs before 6.6, some FUSE mounts); a missing or
+        # unreadable file fails the buffered open that comes first, with its own error.
+        return None
+
+
 def _release(fds: Iterable[int], copies: list[Callable[[], None]], keep: list[torch.Tensor]) -> None:
     for fd in fds:
         os.close(fd)
@@ -152,9 +213,12 @@ async def read_into(
     destinations: dict[int, Destination],
     *,
     threads: int,
+    direct: bool = False,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> int:
     """Fill every destination from ``directory``'s data files; return the bytes read.
+
+    ``direct`` reads through ``O_DIRECT`` where the file system allows it (see ``IOConfig.direct_reads``).
 
     Raises:
         CorruptionError: A block's checksum does not match, or a data file is missing or too short; the
@@ -182,6 +246,7 @@ async def read_into(
         return reads, copies, keep, by_file
 
     fds: dict[str, int] = {}
+    direct_fds: dict[str, int] = {}
     work: list[deque[tuple[str, Run]]] = []
     checksums: list[tuple[int, ...]] = []
     reads, copies, keep, by_file = await run_sync(plan_reads, limiter)
@@ -197,7 +262,11 @@ async def read_into(
             except FileNotFoundError:
                 raise corrupt(reads[pieces[0].item], "data file is missing") from None
             fds[name] = fd
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            dfd = _open_direct(path) if direct else None
+            if dfd is None:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            else:
+                direct_fds[name] = dfd
             end = max(p.offset + len(p.view) for p in pieces)
             if os.fstat(fd).st_size < end:
                 short = next(p for p in pieces if p.offset + len(p.view) > os.fstat(fd).st_size)
@@ -206,11 +275,21 @@ async def read_into(
     def worker(abort: threading.Event) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
         lane = work.pop()
+        spans = (_dio_span(run) for name, run in lane if name in direct_fds)
+        span = max((stop - start for start, stop in spans), default=0)
+        # Anonymous mappings are page-aligned; one per reader, reused for every run of its lane.
+        bounce = memoryview(mmap.mmap(-1, span)) if span else scratch
+        address = ctypes.addressof(ctypes.c_char.from_buffer(bounce)) if span else 0
         while lane:
             if abort.is_set():
                 raise Aborted
             name, run = lane.popleft()
-            short, bad = read_checked(fds[name], run, scratch, checksums if verify else None)
+            sums = checksums if verify else None
+            dfd = direct_fds.get(name)
+            if dfd is None:
+                short, bad = read_checked(fds[name], run, scratch, sums)
+            else:
+                short, bad = read_checked_direct(dfd, run, bounce, address, sums)
             if short:
                 raise corrupt(reads[short[0].item], "data file is truncated")
             if bad:
@@ -227,5 +306,5 @@ async def read_into(
     finally:
         # Host buffers are freed in the thread too: unmapping large ones would stall the event loop.
         with anyio.CancelScope(shield=True):
-            await run_sync(lambda: _release(fds.values(), copies, keep), limiter)
+            await run_sync(lambda: _release([*fds.values(), *direct_fds.values()], copies, keep), limiter)
     return sum(len(r.view) for r in reads)
