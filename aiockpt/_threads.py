@@ -9,7 +9,7 @@ cancelled or any worker fails.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
@@ -43,10 +43,22 @@ async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | Non
 async def run_workers(
     work: Callable[[threading.Event], None], count: int, limiter: anyio.CapacityLimiter | None = None
 ) -> None:
-    """Run ``work(abort)`` in ``count`` threads at once and wait for all of them.
+    """Run ``work(abort)`` in ``count`` threads at once and wait for all of them (see :func:`run_each`).
 
-    ``work`` must return soon after ``abort`` is set. The first exception raised by a worker sets ``abort``
-    and is re-raised here once every worker has returned (an :class:`Aborted` of a sibling is dropped).
+    Raises:
+        Exception: The first worker failure.
+    """
+    await run_each([work] * count, limiter)
+
+
+async def run_each(
+    works: Sequence[Callable[[threading.Event], None]], limiter: anyio.CapacityLimiter | None = None
+) -> None:
+    """Run each of ``works`` as ``work(abort)`` in a thread of its own, all at once, and wait for all.
+
+    Every work must return soon after ``abort`` is set. The first exception raised by a worker sets
+    ``abort`` and is re-raised here once every worker has returned (an :class:`Aborted` of a sibling is
+    dropped).
 
     Raises:
         Exception: The first worker failure.
@@ -54,7 +66,7 @@ async def run_workers(
     abort = threading.Event()
     errors: list[BaseException] = []
 
-    def guarded() -> None:
+    def guarded(work: Callable[[threading.Event], None]) -> None:
         try:
             work(abort)
         except Aborted:
@@ -74,8 +86,8 @@ async def run_workers(
         # to stop), or by the line below once every worker has returned.
         outer.start_soon(abort_on_cancel)
         async with anyio.create_task_group() as workers:
-            for _ in range(count):
-                workers.start_soon(partial(anyio.to_thread.run_sync, guarded, limiter=limiter))
+            for work in works:
+                workers.start_soon(partial(anyio.to_thread.run_sync, partial(guarded, work), limiter=limiter))
         outer.cancel_scope.cancel()
     if errors:
         raise errors[0]

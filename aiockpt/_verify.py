@@ -154,7 +154,7 @@ async def verify(
 ) -> VerifyReport:
     """Check a checkpoint's integrity without loading it: its manifest, and every block of every chunk.
 
-    Each data file is read in full (in ``io.threads`` threads, each through a buffer of a few MiB that it
+    Each data file is read in full (by ``io.thread_count`` threads, each through a buffer of a few MiB it
     reuses, so memory use does not grow with the checkpoint) and every block's CRC32C compared with the
     manifest's. Unlike :func:`load`, verification goes on past the first damaged chunk and reports all of
     them. A collective-free checkpoint is verified part by part, through its merged manifest.
@@ -219,7 +219,7 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
                 if p.offset + len(p.view) > size:
                     problems.add(p.item, "data file is truncated")
             jobs.extend((name, run) for run in group([p for p in pieces if p.offset + len(p.view) <= size]))
-        work.extend(enumerate(lanes(jobs, io.threads, lambda job: job[1].end - job[1].offset)))
+        work.extend(enumerate(lanes(jobs, io.thread_count, lambda job: job[1].end - job[1].offset)))
         done.extend(0 for _ in work)
 
     def worker(abort: threading.Event) -> None:

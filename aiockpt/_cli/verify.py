@@ -41,13 +41,12 @@ def _report_json(report: VerifyReport) -> None:
 @click.option(
     "--threads",
     type=click.IntRange(min=1),
-    default=IOConfig().threads,
-    show_default=True,
-    help="Reader threads.",
+    default=None,
+    help="Reader threads [default: one fewer than the CPUs, 1 to 4].",
 )
 @no_progress_option
 @json_option
-def command(path: str, step: int | None, threads: int, no_progress: bool, as_json: bool) -> int:
+def command(path: str, step: int | None, threads: int | None, no_progress: bool, as_json: bool) -> int:
     """Check the integrity of the checkpoint at PATH.
 
     Reads every chunk of every data file and checks every block's CRC32C, and the manifest's checksum,

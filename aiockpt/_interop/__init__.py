@@ -82,7 +82,7 @@ async def load_foreign(
             plan = await run_sync(lambda: match(manifest, state, allow_pickle=allow_pickle), limiter)
             plan.differences[:0] = extra
             settle(plan, path, strict=strict, stacklevel=3)
-            await source.fill(manifest, plan.destinations, threads=io.threads, limiter=limiter)
+            await source.fill(manifest, plan.destinations, threads=io.thread_count, limiter=limiter)
             await hand_over(plan, limiter)
             for container, key, value in plan.assign:
                 container[key] = value
@@ -104,7 +104,7 @@ async def read_foreign(
         source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
         try:
             plan = await run_sync(lambda: match(source.manifest, None, allow_pickle=allow_pickle), limiter)
-            await source.fill(source.manifest, plan.destinations, threads=io.threads, limiter=limiter)
+            await source.fill(source.manifest, plan.destinations, threads=io.thread_count, limiter=limiter)
             return plan.result
         finally:
             with anyio.CancelScope(shield=True):

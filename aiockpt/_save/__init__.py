@@ -176,7 +176,7 @@ class _LocalTarget:
     ) -> WriteResult:
         directory = self.path.with_name(token)
         return await write(
-            plan, sources, directory, block=io.checksum_block, threads=io.threads, limiter=self.limiter
+            plan, sources, directory, block=io.checksum_block, threads=io.thread_count, limiter=self.limiter
         )
 
     async def commit(self, manifest: bytes) -> None:

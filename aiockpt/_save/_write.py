@@ -1,8 +1,10 @@
 """Stage 4, every rank: write this rank's chunks into its data file, checksum them, fsync.
 
-Chunks are cut into checksum blocks and batched into runs (see ``_runs``); worker threads take runs from a
-shared queue, checksum each block while it is hot in cache, and ``pwritev`` the run at its offset, so
-one file is written by several threads at once. The file is fsynced once, at the end.
+Chunks are cut into checksum blocks and batched into runs (see ``_runs``); writer threads take runs from a
+shared queue and ``pwritev`` each at its offset, so one file may be written by several threads at once,
+while one more thread computes every block's CRC32C from the same (unchanging) source memory. Checksums
+do not depend on the write, so neither waits for the other: a single writer thread keeps the disk busy
+without pausing for checksums. The file is fsynced once, at the end.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import msgspec
 
 from .._errors import StorageError
 from .._runs import Piece, Run, group, split, write_run
-from .._threads import Aborted, acquire_sync, run_sync, run_workers
+from .._threads import Aborted, acquire_sync, run_each, run_sync
 from ._global_plan import RankPlan
 
 
@@ -48,12 +50,10 @@ def checksum_runs(
     runs: deque[Run],
     sums: list[list[int]],
     abort: threading.Event,
-    then: Callable[[Run], None] | None = None,
 ) -> None:
-    """A worker's loop: take runs until none is left, checksum each, hand it to ``then`` (e.g. write it).
+    """A worker's loop: take runs until none is left and checksum each.
 
-    Each piece's CRC32C goes to ``sums[item][block]`` while the piece is hot in cache. Several workers
-    share ``runs``.
+    Each piece's CRC32C goes to ``sums[item][block]``. Several workers may share ``runs``.
 
     Raises:
         Aborted: ``abort`` was set (checked between runs).
@@ -67,8 +67,22 @@ def checksum_runs(
             return
         for p in run.pieces:
             sums[p.item][p.block] = crc32c.crc32c(p.view)
-        if then is not None:
-            then(run)
+
+
+def write_runs(runs: deque[Run], fd: int, abort: threading.Event) -> None:
+    """A writer's loop: take runs until none is left and write each at its offset in ``fd``.
+
+    Raises:
+        Aborted: ``abort`` was set (checked between runs).
+    """
+    while True:
+        if abort.is_set():
+            raise Aborted
+        try:
+            run = runs.popleft()
+        except IndexError:
+            return
+        write_run(fd, run)
 
 
 async def write(
@@ -92,9 +106,17 @@ async def write(
     if not plan.writes:
         return WriteResult(rank=plan.rank, checksums=(), nbytes=0)
     path = directory / plan.file
-    runs: deque[Run] = deque(group(_pieces(plan, sources, block)))
-    sums = [[0] * blocks(len(sources[w.item]), block) for w in plan.writes]
     fd = -1
+
+    def cut() -> tuple[list[Run], list[list[int]]]:
+        # Per-chunk Python work, proportional to the number of tensors: kept off the event loop's thread.
+        return group(_pieces(plan, sources, block)), [
+            [0] * blocks(len(sources[w.item]), block) for w in plan.writes
+        ]
+
+    def sync_and_report() -> WriteResult:
+        os.fsync(fd)
+        return WriteResult(rank=plan.rank, checksums=tuple(tuple(s) for s in sums), nbytes=plan.nbytes)
 
     def open_file() -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -107,15 +129,17 @@ async def write(
             raise
         return fd
 
+    runs, sums = await run_sync(cut, limiter)
     try:
         fd = await acquire_sync(open_file, limiter)
-        work = partial(checksum_runs, runs, sums, then=lambda run: write_run(fd, run))
-        await run_workers(work, min(threads, max(1, len(runs))), limiter)
-        await run_sync(lambda: os.fsync(fd), limiter)
+        writer = partial(write_runs, deque(runs), fd)
+        summer = partial(checksum_runs, deque(runs), sums)
+        await run_each([summer, *[writer] * min(threads, max(1, len(runs)))], limiter)
+        result = await run_sync(sync_and_report, limiter)
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc
     finally:
         if fd >= 0:
             with anyio.CancelScope(shield=True):
                 await run_sync(lambda: os.close(fd), limiter)
-    return WriteResult(rank=plan.rank, checksums=tuple(tuple(s) for s in sums), nbytes=plan.nbytes)
+    return result

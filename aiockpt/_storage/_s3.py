@@ -229,7 +229,7 @@ class S3Target:
         if plan.writes:
             self._written.append((self.path / plan.file).key)
         return await upload(
-            self.path, plan, sources, block=io.checksum_block, threads=io.threads, limiter=self.limiter
+            self.path, plan, sources, block=io.checksum_block, threads=io.thread_count, limiter=self.limiter
         )
 
     async def commit(self, manifest: bytes) -> None:

@@ -1,0 +1,92 @@
+"""``IOConfig``: validation, the default thread count, and the thread layout of the write stage."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import aiockpt
+from aiockpt import CheckpointError, IOConfig, StorageError
+from aiockpt import _options
+from aiockpt._save import _write
+from aiockpt._threads import Aborted, run_each
+
+
+@pytest.mark.parametrize(
+    ("cpus", "expected"),
+    [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)],
+)
+def test_default_threads_leave_one_cpu_to_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, expected: int
+) -> None:
+    monkeypatch.setattr(_options.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert _options.auto_threads() == expected
+    assert IOConfig().threads is None
+    assert IOConfig().thread_count == expected
+    assert IOConfig(threads=7).thread_count == 7
+
+
+@pytest.mark.parametrize("kwargs", [{"threads": 0}, {"checksum_block": 1000}, {"checksum_block": 0}])
+def test_invalid_settings_are_refused_by_name(kwargs: dict[str, int]) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(CheckpointError, match=f"IOConfig.{name}"):
+        IOConfig(**kwargs)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+async def test_checksums_computed_beside_the_writers_verify_on_load(tmp_path: Path, threads: int) -> None:
+    # Many blocks and runs, so that the checksum thread and the writers interleave.
+    gen = torch.Generator().manual_seed(threads)
+    state = {f"t{i}": torch.randn(3000 + 17 * i, generator=gen) for i in range(40)}
+    io = IOConfig(threads=threads, checksum_block=4096)
+    await aiockpt.save(state, tmp_path / "ckpt", io=io)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    await aiockpt.load(target, tmp_path / "ckpt", io=io)
+    for key, value in state.items():
+        assert torch.equal(target[key], value), key
+    assert (await aiockpt.verify(tmp_path / "ckpt")).problems == ()
+
+
+async def test_a_failing_writer_stops_the_checksum_thread_and_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = 0
+    real = _write.write_run
+
+    def failing(fd: int, run: object) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError(5, "Input/output error")
+        real(fd, run)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_write, "write_run", failing)
+    state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}
+    before = threading.active_count()
+    with pytest.raises(StorageError, match=r"data-r00000\.bin.*Input/output error"):
+        await aiockpt.save(state, tmp_path / "ckpt", io=IOConfig(threads=1, checksum_block=1 << 20))
+    assert not (tmp_path / "ckpt").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
+    # anyio keeps idle worker threads for reuse; none is left running our work.
+    assert threading.active_count() <= before + 3
+
+
+async def test_run_each_raises_the_first_failure_and_aborts_the_others() -> None:
+    stopped: list[str] = []
+
+    def fails(abort: threading.Event) -> None:
+        raise ValueError("boom")
+
+    def waits(abort: threading.Event) -> None:
+        if not abort.wait(10):
+            stopped.append("timed out")
+            return
+        stopped.append("aborted")
+        raise Aborted
+
+    with pytest.raises(ValueError, match="boom"):
+        await run_each([waits, fails, waits])
+    assert stopped == ["aborted", "aborted"]
