@@ -39,11 +39,12 @@ class IOConfig:
             help on network file systems.
         checksum_block: Bytes covered by each CRC32C. Large chunks are split into blocks of this size so
             their writing and verification spread over threads. Recorded in the manifest.
-        pause_gc: Pause Python's cyclic garbage collector while a save or load runs (reference counting
-            goes on). A save of many tensors allocates enough bookkeeping objects to set off full
-            collections that hold the GIL for 100 ms and more, stalling the event loop; paused, those
-            objects are freed before the collector resumes. Cyclic garbage made meanwhile by other code
-            is collected once the last save or load in flight ends.
+        pause_gc: Hold off collections of the older generations of Python's cyclic garbage collector
+            while a save or load runs (the youngest generation is still collected, and reference
+            counting goes on). A save of many tensors allocates enough bookkeeping objects to set off
+            full collections that hold the GIL for 100 ms and more, stalling the event loop. Older
+            cyclic garbage made meanwhile by other code is collected once the last save or load in
+            flight ends.
         direct_reads: Read local checkpoint files with ``O_DIRECT``, bypassing the page cache: each reader
             thread reads a run into its own page-aligned buffer, verifies its blocks there and copies them
             into place. The kernel then does almost no work per byte (no page-cache pages to allocate,

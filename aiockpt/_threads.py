@@ -40,6 +40,17 @@ async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | Non
     return result  # noqa: RET504 (mypy sees the shielded scope as able to swallow a return)
 
 
+async def release(box: list[object], limiter: anyio.CapacityLimiter | None = None) -> None:
+    """Drop the objects in ``box`` in a worker thread, which must then hold their last references.
+
+    Freeing the per-tensor bookkeeping of a checkpoint of 10^4 tensors is one cascade of deallocations
+    that holds the GIL for several milliseconds; done on the event loop's thread, it is a stall. Callers
+    move their references into ``box`` and ``del`` their own names first.
+    """
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(box.clear, limiter=limiter)
+
+
 async def run_workers(
     work: Callable[[threading.Event], None], count: int, limiter: anyio.CapacityLimiter | None = None
 ) -> None:

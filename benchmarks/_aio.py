@@ -23,6 +23,8 @@ class Aiockpt:
 
     module: Any
     version: str
+    # ``aiockpt.IOConfig`` passed to every call, or None for aiockpt's defaults.
+    io: Any = None
 
 
 def import_aiockpt() -> Aiockpt | str:
@@ -57,7 +59,7 @@ async def save(aio: Aiockpt, state: State, path: Path) -> tuple[float, Phases]:
         Elapsed seconds, and the seconds per phase aiockpt reports in ``Metadata.timings``.
     """
     start = time.perf_counter()
-    meta = await aio.module.save(state, str(path))
+    meta = await aio.module.save(state, str(path), io=aio.io)
     return time.perf_counter() - start, _phases(meta)
 
 
@@ -77,7 +79,7 @@ class AsyncSaver:
     async def save(self, state: State) -> tuple[float, float, Phases]:
         """Save once; returns seconds until staged and until durable (from the call), and phase seconds."""
         if self.ckpt is None:
-            self.ckpt = self.aio.module.Checkpointer(str(self.root), keep_last=1)
+            self.ckpt = self.aio.module.Checkpointer(str(self.root), keep_last=1, io=self.aio.io)
             await self.ckpt.open()
         self.step += 1
         start = time.perf_counter()
@@ -100,7 +102,7 @@ async def load(aio: Aiockpt, template: State, path: Path) -> float:
         Elapsed seconds.
     """
     start = time.perf_counter()
-    await aio.module.load(template, str(path))
+    await aio.module.load(template, str(path), io=aio.io)
     return time.perf_counter() - start
 
 
@@ -111,5 +113,5 @@ async def read(aio: Aiockpt, path: Path) -> tuple[float, dict[str, object]]:
         Elapsed seconds and the tree read.
     """
     start = time.perf_counter()
-    tree: dict[str, object] = await aio.module.read(str(path))
+    tree: dict[str, object] = await aio.module.read(str(path), io=aio.io)
     return time.perf_counter() - start, tree

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import shutil
@@ -63,10 +64,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--repeat", type=int, default=1, help="repeats per case; the best is reported (default: 1)"
     )
+    p.add_argument(
+        "--io-threads",
+        type=int,
+        default=None,
+        help="IOConfig(threads=N) for every aiockpt case (default: aiockpt's own, one fewer than the CPUs)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     if args.size_gib <= 0 or args.small_count < 1 or args.small_bytes < 4 or args.repeat < 1:
         p.error("--size-gib must be > 0, --small-count >= 1, --small-bytes >= 4, --repeat >= 1")
+    if args.io_threads is not None and args.io_threads < 1:
+        p.error("--io-threads must be >= 1")
     try:
         args.selection = _suite.parse_only(args.only)
     except ValueError as exc:
@@ -124,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     imported = _aio.import_aiockpt()
     aio = imported if isinstance(imported, _aio.Aiockpt) else None
+    if aio is not None and args.io_threads is not None:
+        aio = dataclasses.replace(aio, io=aio.module.IOConfig(threads=args.io_threads))
     root: Path = args.dir
     created_root = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
@@ -137,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeat": args.repeat,
             "only": args.only or "all",
             "torch_threads": torch.get_num_threads(),
+            "aiockpt_io_threads": "n/a" if aio is None else (aio.io or aio.module.IOConfig()).thread_count,
         },
     )
     if isinstance(imported, str):

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 import aiockpt
-from aiockpt import CheckpointError, IOConfig, StorageError
-from aiockpt import _options
-from aiockpt._save import _write
+from aiockpt import CheckpointError, IOConfig, StorageError, _options
+from aiockpt._runs import Run, write_run
 from aiockpt._threads import Aborted, run_each
 
 
@@ -22,18 +23,24 @@ from aiockpt._threads import Aborted, run_each
 def test_default_threads_leave_one_cpu_to_the_event_loop(
     monkeypatch: pytest.MonkeyPatch, cpus: int, expected: int
 ) -> None:
-    monkeypatch.setattr(_options.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     assert _options.auto_threads() == expected
     assert IOConfig().threads is None
     assert IOConfig().thread_count == expected
     assert IOConfig(threads=7).thread_count == 7
 
 
-@pytest.mark.parametrize("kwargs", [{"threads": 0}, {"checksum_block": 1000}, {"checksum_block": 0}])
-def test_invalid_settings_are_refused_by_name(kwargs: dict[str, int]) -> None:
-    name = next(iter(kwargs))
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [
+        ("threads", lambda: IOConfig(threads=0)),
+        ("checksum_block", lambda: IOConfig(checksum_block=1000)),
+        ("checksum_block", lambda: IOConfig(checksum_block=0)),
+    ],
+)
+def test_invalid_settings_are_refused_by_name(name: str, make: Callable[[], IOConfig]) -> None:
     with pytest.raises(CheckpointError, match=f"IOConfig.{name}"):
-        IOConfig(**kwargs)
+        make()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
@@ -43,10 +50,10 @@ async def test_checksums_computed_beside_the_writers_verify_on_load(tmp_path: Pa
     state = {f"t{i}": torch.randn(3000 + 17 * i, generator=gen) for i in range(40)}
     io = IOConfig(threads=threads, checksum_block=4096)
     await aiockpt.save(state, tmp_path / "ckpt", io=io)
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    target: dict[str, object] = {k: torch.zeros_like(v) for k, v in state.items()}
     await aiockpt.load(target, tmp_path / "ckpt", io=io)
     for key, value in state.items():
-        assert torch.equal(target[key], value), key
+        assert torch.equal(target[key], value), key  # type: ignore[arg-type]
     assert (await aiockpt.verify(tmp_path / "ckpt")).problems == ()
 
 
@@ -54,16 +61,15 @@ async def test_a_failing_writer_stops_the_checksum_thread_and_names_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = 0
-    real = _write.write_run
 
-    def failing(fd: int, run: object) -> None:
+    def failing(fd: int, run: Run) -> None:
         nonlocal calls
         calls += 1
         if calls == 3:
             raise OSError(5, "Input/output error")
-        real(fd, run)  # type: ignore[arg-type]
+        write_run(fd, run)
 
-    monkeypatch.setattr(_write, "write_run", failing)
+    monkeypatch.setattr("aiockpt._save._write.write_run", failing)
     state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}
     before = threading.active_count()
     with pytest.raises(StorageError, match=r"data-r00000\.bin.*Input/output error"):

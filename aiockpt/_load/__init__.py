@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import MutableMapping
+from functools import partial
 from typing import cast
 
 import anyio
@@ -19,7 +20,7 @@ from .._format import Key, Manifest
 from .._gc import paused
 from .._options import IOConfig
 from .._storage import Location, S3Path
-from .._threads import run_sync
+from .._threads import release, run_sync
 from .._tree import render
 from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
@@ -89,6 +90,12 @@ def settle(plan: LoadPlan, where: object, *, strict: bool, stacklevel: int = 4) 
         )
 
 
+def _assign(plan: LoadPlan) -> None:
+    """Put the entries the template lacked (built from the checkpoint) into their containers."""
+    for container, key, value in plan.assign:
+        container[key] = value
+
+
 async def run_load(
     state: MutableMapping[str, object],
     path: Location,
@@ -97,10 +104,10 @@ async def run_load(
     allow_pickle: bool,
     io: IOConfig,
     limiter: anyio.CapacityLimiter | None = None,
-) -> Manifest:
+) -> None:
     """Load the checkpoint at ``path`` into ``state`` in place (see :func:`aiockpt.load`)."""
     with paused(io.pause_gc):
-        return await _load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, limiter=limiter)
+        await _load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, limiter=limiter)
 
 
 async def _load(
@@ -111,14 +118,16 @@ async def _load(
     allow_pickle: bool,
     io: IOConfig,
     limiter: anyio.CapacityLimiter | None,
-) -> Manifest:
+) -> None:
     manifest = await _manifest(path, limiter)
-    plan = await run_sync(lambda: match(manifest, state, allow_pickle=allow_pickle), limiter)
+    plan = await run_sync(partial(match, manifest, state, allow_pickle=allow_pickle), limiter)
     settle(plan, path, strict=strict)
     await _fill(path, manifest, plan, io, limiter)
-    for container, key, value in plan.assign:
-        container[key] = value
-    return manifest
+    await run_sync(partial(_assign, plan), limiter)
+    # Neither name may keep the bookkeeping alive once it is handed to the thread that frees it.
+    box: list[object] = [manifest, plan]
+    del manifest, plan
+    await release(box, limiter)
 
 
 async def run_read(

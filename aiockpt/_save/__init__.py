@@ -26,7 +26,7 @@ from .._handle import Metadata, SaveMetrics, SaveState
 from .._memory import StagingPool
 from .._options import IOConfig
 from .._storage import Location, S3Path
-from .._threads import acquire_sync, run_sync
+from .._threads import acquire_sync, release, run_sync
 from .._world import World
 from ._finish import build_manifest, commit, encode_manifest
 from ._global_plan import GlobalPlan, RankPlan, global_plan
@@ -281,7 +281,8 @@ async def _save(
         await _give_back(pool, staged, limiter)
 
         # --- finish: votes, then the coordinator commits and tells everyone
-        statuses = await exchanges.exchange("vote", Status(ok=True, payload=ENCODER.encode(result)))
+        vote = Status(ok=True, payload=await run_sync(partial(ENCODER.encode, result), limiter))
+        statuses = await exchanges.exchange("vote", vote)
         outcome = Status(ok=True)
         summary: tuple[Manifest, int, int] | None = None
         if coordinator:
@@ -320,7 +321,7 @@ async def _save(
                 await _give_back(pool, staged, limiter)
     assert summary is not None
     manifest, crc, nbytes = summary
-    return Metadata(
+    metadata = Metadata(
         path=str(req.path),
         step=req.step,
         world_size=manifest.world_size,
@@ -331,3 +332,8 @@ async def _save(
         manifest_crc32c=crc,
         timings=dict(metrics.seconds),
     )
+    # Neither name may keep the bookkeeping alive once it is handed to the thread that frees it.
+    box: list[object] = [staged, plan, result, summary, manifest]
+    del staged, plan, result, summary, manifest
+    await release(box, limiter)
+    return metadata
