@@ -154,7 +154,28 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     body: bytes
 
 
+def _outline_field(info: msgspec.structs.FieldInfo) -> tuple[str, object, object]:
+    typ = {"tree": msgspec.Raw, "tensors": tuple[msgspec.Raw, ...]}.get(info.name, info.type)
+    if info.default_factory is not msgspec.NODEFAULT:
+        return info.name, typ, msgspec.field(default_factory=info.default_factory)
+    return info.name, typ, info.default
+
+
+# A manifest whose tree and tensor entries are left encoded (msgspec.Raw), so that a reader can decode
+# those in slices instead of in one call that holds the GIL for 10 ms and more (see _load/_manifest.py).
+# Derived from Manifest's own fields, so the two cannot drift apart.
+ManifestOutline = msgspec.defstruct(
+    "ManifestOutline",
+    [_outline_field(f) for f in msgspec.structs.fields(Manifest)],
+    kw_only=True,
+    frozen=True,
+    gc=False,
+)
+
 # Module-level codecs are reused: building a msgspec Decoder is far costlier than using one.
 ENCODER = msgspec.msgpack.Encoder()
 ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
 MANIFEST_DECODER = msgspec.msgpack.Decoder(Manifest)
+OUTLINE_DECODER = msgspec.msgpack.Decoder(ManifestOutline)
+TREE_DECODER = msgspec.msgpack.Decoder(DictNode)
+TENSOR_ENTRY_DECODER = msgspec.msgpack.Decoder(TensorEntry)

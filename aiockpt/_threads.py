@@ -8,8 +8,11 @@ cancelled or any worker fails.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import TypeVar
 
@@ -21,6 +24,49 @@ T = TypeVar("T")
 
 class Aborted(Exception):
     """Raised inside a worker that stopped because the abort event was set."""
+
+
+_switch_lock = threading.Lock()
+_switch_depth = 0
+_switch_saved = 0.0
+
+
+@contextlib.contextmanager
+def short_switches(interval: float | None) -> Iterator[None]:
+    """While the block runs, make CPython hand the GIL to a waiting thread after ``interval`` seconds.
+
+    Worker threads of a save or load run Python code (planning, matching, per-tensor loops) for tens of
+    milliseconds when a state has 10^4 tensors. Each time the event loop's thread wakes up meanwhile, it
+    waits for the GIL for up to the interpreter's switch interval, 5 ms by default: that is its lag. The
+    setting is process-wide, so uses are counted across threads: the first lowers it (never raises it),
+    the last restores the previous value. ``None`` makes the block a no-op.
+    """
+    global _switch_depth, _switch_saved
+    if interval is None:
+        yield
+        return
+    with _switch_lock:
+        if _switch_depth == 0:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, _switch_saved))
+        _switch_depth += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_depth -= 1
+            if _switch_depth == 0:
+                sys.setswitchinterval(_switch_saved)
+
+
+def yield_gil() -> None:
+    """Let a thread that is waiting for the GIL (the event loop's) take it now.
+
+    CPython hands the GIL to a waiting thread only after its switch interval (5 ms) or when the holder
+    blocks. Worker threads call this between slices of long GIL-bound work (decoding a large manifest),
+    which bounds the event loop's wait by the slice, not by the switch interval.
+    """
+    time.sleep(0)  # releases the GIL around a zero-length sleep
 
 
 async def run_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import crc32c
 import msgspec
 import pytest
 import torch
@@ -18,6 +19,7 @@ from aiockpt._format import (
     MANIFEST_NAME,
     Envelope,
 )
+from aiockpt._load._manifest import decode_manifest
 
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
@@ -116,3 +118,25 @@ async def test_user_metadata_and_origin_are_recorded(tmp_path: Path) -> None:
     (node,) = manifest.tree.values
     assert isinstance(node, aiockpt._format.DictNode)
     assert node.origin == "torch.nn.modules.linear.Linear"
+
+
+async def test_a_manifest_decoded_in_slices_equals_the_one_shot_decode(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    # More entries than one slice, nested containers, and a plain value.
+    state = {"m": {f"t{i}": torch.full((2,), float(i)) for i in range(1300)}, "n": 3}
+    await aiockpt.save(state, path)
+    body = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes()).body
+    assert decode_manifest((path / MANIFEST_NAME).read_bytes(), "m") == MANIFEST_DECODER.decode(body)
+
+
+async def test_a_malformed_tensor_entry_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    await aiockpt.save({f"t{i}": torch.zeros(2) for i in range(700)}, path)
+    env = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes())
+    manifest = MANIFEST_DECODER.decode(env.body)
+    entries: list[object] = list(manifest.tensors)
+    entries[600] = {"not": "an entry"}
+    body = ENCODER.encode(msgspec.structs.replace(manifest, tensors=tuple(entries)))
+    _rewrite_envelope(path, body=body, body_crc32c=crc32c.crc32c(body))
+    with pytest.raises(aiockpt.FormatError, match=r"cannot be decoded.*tensor entry 600"):
+        await aiockpt.read(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 import aiockpt
 from aiockpt import CheckpointError, IOConfig, StorageError, _options
 from aiockpt._runs import Run, write_run
-from aiockpt._threads import Aborted, run_each
+from aiockpt._threads import Aborted, run_each, short_switches
 
 
 @pytest.mark.parametrize(
@@ -96,3 +97,46 @@ async def test_run_each_raises_the_first_failure_and_aborts_the_others() -> None
     with pytest.raises(ValueError, match="boom"):
         await run_each([waits, fails, waits])
     assert stopped == ["aborted", "aborted"]
+
+
+def test_short_switches_lowers_the_interval_while_any_user_runs_and_restores_it() -> None:
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.004)
+        with short_switches(0.0005):
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+            with short_switches(0.001):  # nested: never raises it
+                assert sys.getswitchinterval() == pytest.approx(0.0005)
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+        with short_switches(None):
+            assert sys.getswitchinterval() == pytest.approx(0.004)
+        sys.setswitchinterval(0.0001)  # already shorter: left alone, and restored as it was
+        with short_switches(0.0005):
+            assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.02)
+        assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.02)
+    finally:
+        sys.setswitchinterval(before)
+
+
+async def test_a_save_and_load_restore_the_switch_interval(tmp_path: Path) -> None:
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+
+    class Probe:
+        def state_dict(self) -> dict[str, object]:
+            seen.append(sys.getswitchinterval())
+            return {"w": torch.ones(3)}
+
+        def load_state_dict(self, sd: dict[str, object]) -> None:
+            seen.append(sys.getswitchinterval())
+
+    await aiockpt.save({"p": Probe()}, tmp_path / "ckpt", io=IOConfig(switch_interval=0.0007))
+    await aiockpt.load({"p": Probe()}, tmp_path / "ckpt", io=IOConfig(switch_interval=0.0007))
+    assert seen == [pytest.approx(0.0007)] * 3  # saved, then the load's template and hand-over
+    assert sys.getswitchinterval() == before
+
+
+def test_switch_interval_must_be_positive() -> None:
+    with pytest.raises(CheckpointError, match=r"IOConfig\.switch_interval"):
+        IOConfig(switch_interval=0.0)

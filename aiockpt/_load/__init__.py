@@ -20,7 +20,7 @@ from .._format import Key, Manifest
 from .._gc import paused
 from .._options import IOConfig
 from .._storage import Location, S3Path
-from .._threads import release, run_sync
+from .._threads import release, run_sync, short_switches
 from .._tree import render
 from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
@@ -106,7 +106,7 @@ async def run_load(
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state`` in place (see :func:`aiockpt.load`)."""
-    with paused(io.pause_gc):
+    with paused(io.pause_gc), short_switches(io.switch_interval):
         await _load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, limiter=limiter)
 
 
@@ -134,7 +134,7 @@ async def run_read(
     path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None = None
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` into a fresh tree of CPU tensors (see :func:`aiockpt.read`)."""
-    with paused(io.pause_gc):
+    with paused(io.pause_gc), short_switches(io.switch_interval):
         return await _read(path, allow_pickle=allow_pickle, io=io, limiter=limiter)
 
 
