@@ -126,7 +126,10 @@ async def test_a_manifest_decoded_in_slices_equals_the_one_shot_decode(tmp_path:
     state = {"m": {f"t{i}": torch.full((2,), float(i)) for i in range(1300)}, "n": 3}
     await aiockpt.save(state, path)
     body = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes()).body
-    assert decode_manifest((path / MANIFEST_NAME).read_bytes(), "m") == MANIFEST_DECODER.decode(body)
+    manifest = MANIFEST_DECODER.decode(body)
+    assert decode_manifest((path / MANIFEST_NAME).read_bytes(), "m") == manifest
+    # ... and the save side's sliced encoding wrote exactly what a one-shot encode writes.
+    assert body == ENCODER.encode(manifest)
 
 
 async def test_a_malformed_tensor_entry_is_named(tmp_path: Path) -> None:

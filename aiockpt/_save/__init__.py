@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
-import msgspec
 
+from .._codec import SlicedDecoder
+from .._codec import encode as sliced_encode
 from .._errors import CheckpointExistsError, DistributedError, StorageError
-from .._format import ENCODER, ENVELOPE_DECODER, MANIFEST_DECODER, MANIFEST_NAME, DictNode, Manifest
+from .._format import ENVELOPE_DECODER, MANIFEST_DECODER, MANIFEST_NAME, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, OwnerLock, remove_tree
 from .._gc import paused
 from .._handle import Metadata, SaveMetrics, SaveState
@@ -30,13 +31,13 @@ from .._threads import acquire_sync, release, run_sync, short_switches
 from .._world import World
 from ._finish import build_manifest, commit, encode_manifest
 from ._global_plan import GlobalPlan, RankPlan, global_plan
-from ._local_plan import LocalPlan, local_plan
+from ._local_plan import LocalPlan, WriteItem, local_plan
 from ._protocol import Exchanges, Status, describe
 from ._stage import Staged, stage
 from ._write import WriteResult, write
 
-_LOCAL_PLAN = msgspec.msgpack.Decoder(LocalPlan)
-_WRITE_RESULT = msgspec.msgpack.Decoder(WriteResult)
+_LOCAL_PLAN = SlicedDecoder(LocalPlan, "items", WriteItem)
+_WRITE_RESULT = SlicedDecoder(WriteResult, "checksums", tuple[int, ...])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +57,7 @@ class SaveRequest:
 
 def _plan_local(rank: int, staged: Staged) -> bytes:
     with paused():
-        return ENCODER.encode(local_plan(rank, staged.flat))
+        return sliced_encode(local_plan(rank, staged.flat), "items")
 
 
 def _plan_global(gathered: list[bytes]) -> GlobalPlan:
@@ -281,7 +282,7 @@ async def _save(
         await _give_back(pool, staged, limiter)
 
         # --- finish: votes, then the coordinator commits and tells everyone
-        vote = Status(ok=True, payload=await run_sync(partial(ENCODER.encode, result), limiter))
+        vote = Status(ok=True, payload=await run_sync(partial(sliced_encode, result, "checksums"), limiter))
         statuses = await exchanges.exchange("vote", vote)
         outcome = Status(ok=True)
         summary: tuple[Manifest, int, int] | None = None

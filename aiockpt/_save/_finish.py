@@ -17,6 +17,7 @@ import anyio
 import crc32c
 import msgspec
 
+from .._codec import encode as sliced_encode
 from .._errors import CheckpointExistsError, StorageError
 from .._format import (
     ENCODER,
@@ -70,7 +71,7 @@ def build_manifest(
 
 def encode_manifest(manifest: Manifest) -> tuple[bytes, int]:
     """Encode ``manifest`` inside its checksummed :class:`Envelope`; return the bytes and the body CRC."""
-    body = ENCODER.encode(manifest)
+    body = sliced_encode(manifest, "tensors")
     crc = crc32c.crc32c(body)
     return ENCODER.encode(
         Envelope(magic=MAGIC, format_version=FORMAT_VERSION, body_crc32c=crc, body=body)

@@ -1,0 +1,73 @@
+"""``_codec``: sliced encoding is byte-identical to msgspec's, sliced decoding equal and as strict."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from aiockpt._codec import SLICE, SlicedDecoder, encode
+from aiockpt._format import ENCODER, Chunk, TensorEntry
+from aiockpt._save._local_plan import LocalPlan, WriteItem
+from aiockpt._save._write import WriteResult
+
+
+def _result(n: int) -> WriteResult:
+    return WriteResult(rank=1, checksums=tuple((i, i * 7 % 2**32) for i in range(n)), nbytes=n)
+
+
+def _plan(n: int) -> LocalPlan:
+    items = tuple(
+        WriteItem(
+            path=("m", f"t{i}"),
+            dtype="float32",
+            shape=(i, 2),
+            offsets=(0, 0),
+            sizes=(i, 2),
+            nbytes=8 * i,
+            replicated=i % 2 == 0,
+        )
+        for i in range(n)
+    )
+    return LocalPlan(rank=0, items=items)
+
+
+# Around the slice size and msgpack's array-header sizes (fixarray < 16, array16 < 65536, array32).
+SIZES = [0, 1, 15, 16, SLICE, SLICE + 1, 3 * SLICE + 17, 65535, 65536, 70_000]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sliced_encoding_is_byte_identical_and_decodes_back(n: int) -> None:
+    result = _result(n)
+    data = encode(result, "checksums")
+    assert data == ENCODER.encode(result)
+    assert SlicedDecoder(WriteResult, "checksums", tuple[int, ...]).decode(data) == result
+
+
+def test_plans_and_entries_of_nested_structs_round_trip() -> None:
+    plan = _plan(2 * SLICE + 3)
+    data = encode(plan, "items")
+    assert data == ENCODER.encode(plan)
+    assert SlicedDecoder(LocalPlan, "items", WriteItem).decode(data) == plan
+
+
+def test_a_bad_item_is_named_by_its_index() -> None:
+    good = _result(3 * SLICE)
+    checksums: list[object] = list(good.checksums)
+    checksums[700] = ("not", "ints")
+    data = ENCODER.encode(msgspec.structs.replace(good, checksums=tuple(checksums)))
+    with pytest.raises(msgspec.ValidationError, match=r"in checksums\[700\]"):
+        SlicedDecoder(WriteResult, "checksums", tuple[int, ...]).decode(data)
+
+
+def test_other_fields_are_still_validated() -> None:
+    data = ENCODER.encode({"rank": "zero", "checksums": [], "nbytes": 0})
+    with pytest.raises(msgspec.ValidationError, match="rank"):
+        SlicedDecoder(WriteResult, "checksums", tuple[int, ...]).decode(data)
+
+
+def test_array_like_structs_keep_their_layout() -> None:
+    chunk = Chunk(offsets=(0,), sizes=(3,), file="f", offset=0, nbytes=12, checksums=(1,))
+    entry = TensorEntry(path=("w",), dtype="float32", shape=(3,), chunks=(chunk,) * (SLICE + 5))
+    data = encode(entry, "chunks")
+    assert data == ENCODER.encode(entry)
+    assert SlicedDecoder(TensorEntry, "chunks", Chunk).decode(data) == entry
