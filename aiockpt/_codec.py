@@ -10,6 +10,7 @@ changes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -55,11 +56,15 @@ def encode(obj: msgspec.Struct, field: str) -> bytes:
     return _ENCODER.encode(msgspec.structs.replace(obj, **{field: raw}))
 
 
-def _outline(type_: type[msgspec.Struct], field: str) -> type[msgspec.Struct]:
-    """A struct with ``type_``'s fields and options, whose ``field`` holds its items as raw msgpack."""
+def outline_of(type_: type[msgspec.Struct], raw: Mapping[str, Any]) -> type[msgspec.Struct]:
+    """A struct with ``type_``'s fields and options, but the types in ``raw`` for some fields.
+
+    Decoding into it leaves those fields as raw msgpack (``raw`` maps them to ``msgspec.Raw`` or
+    ``tuple[msgspec.Raw, ...]``), to be decoded later, in slices.
+    """
     fields: list[tuple[str, Any, Any]] = []
     for info in msgspec.structs.fields(type_):
-        typ = tuple[msgspec.Raw, ...] if info.name == field else info.type
+        typ = raw.get(info.name, info.type)
         if info.default_factory is not msgspec.NODEFAULT:
             fields.append((info.name, typ, msgspec.field(default_factory=info.default_factory)))
         else:
@@ -85,7 +90,7 @@ class SlicedDecoder(Generic[S]):
     def __init__(self, type_: type[S], field: str, item: Any) -> None:
         self._type = type_
         self._field = field
-        self._outline = msgspec.msgpack.Decoder(_outline(type_, field))
+        self._outline = msgspec.msgpack.Decoder(outline_of(type_, {field: tuple[msgspec.Raw, ...]}))
         self._items = msgspec.msgpack.Decoder(tuple[item, ...])
         self._item = msgspec.msgpack.Decoder(item)
 

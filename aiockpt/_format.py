@@ -16,6 +16,8 @@ import re
 
 import msgspec
 
+from ._codec import outline_of
+
 FORMAT_VERSION = 1
 MAGIC = "aiockpt"
 MANIFEST_NAME = "manifest.msgpack"
@@ -154,23 +156,10 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     body: bytes
 
 
-def _outline_field(info: msgspec.structs.FieldInfo) -> tuple[str, object, object]:
-    typ = {"tree": msgspec.Raw, "tensors": tuple[msgspec.Raw, ...]}.get(info.name, info.type)
-    if info.default_factory is not msgspec.NODEFAULT:
-        return info.name, typ, msgspec.field(default_factory=info.default_factory)
-    return info.name, typ, info.default
-
-
-# A manifest whose tree and tensor entries are left encoded (msgspec.Raw), so that a reader can decode
-# those in slices instead of in one call that holds the GIL for 10 ms and more (see _load/_manifest.py).
-# Derived from Manifest's own fields, so the two cannot drift apart.
-ManifestOutline = msgspec.defstruct(
-    "ManifestOutline",
-    [_outline_field(f) for f in msgspec.structs.fields(Manifest)],
-    kw_only=True,
-    frozen=True,
-    gc=False,
-)
+# A manifest whose tree and tensor entries are left encoded, so that a reader can decode them in slices
+# instead of in one call that holds the GIL for 10 ms and more (see _load/_manifest.py). Derived from
+# Manifest's own fields, so the two cannot drift apart.
+ManifestOutline = outline_of(Manifest, {"tree": msgspec.Raw, "tensors": tuple[msgspec.Raw, ...]})
 
 # Module-level codecs are reused: building a msgspec Decoder is far costlier than using one.
 ENCODER = msgspec.msgpack.Encoder()

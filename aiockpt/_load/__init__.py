@@ -45,9 +45,13 @@ async def _fill(
 
         await download(path, manifest, plan.destinations, limiter=limiter)
     else:
-        threads = io.thread_count
         await read_into(
-            path, manifest, plan.destinations, threads=threads, direct=io.direct_reads, limiter=limiter
+            path,
+            manifest,
+            plan.destinations,
+            threads=io.thread_count,
+            direct=io.direct_reads,
+            limiter=limiter,
         )
     await hand_over(plan, limiter)
 

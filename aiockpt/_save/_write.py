@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -46,14 +46,8 @@ def _pieces(plan: RankPlan, sources: Sequence[memoryview], block: int) -> list[P
     return pieces
 
 
-def checksum_runs(
-    runs: deque[Run],
-    sums: list[list[int]],
-    abort: threading.Event,
-) -> None:
-    """A worker's loop: take runs until none is left and checksum each.
-
-    Each piece's CRC32C goes to ``sums[item][block]``. Several workers may share ``runs``.
+def _each_run(runs: deque[Run], abort: threading.Event, handle: Callable[[Run], None]) -> None:
+    """A worker's loop: take runs from ``runs`` (shared with other workers) until none is left.
 
     Raises:
         Aborted: ``abort`` was set (checked between runs).
@@ -65,24 +59,30 @@ def checksum_runs(
             run = runs.popleft()
         except IndexError:
             return
+        handle(run)
+
+
+def checksum_runs(runs: deque[Run], sums: list[list[int]], abort: threading.Event) -> None:
+    """Checksum runs until none is left: each piece's CRC32C goes to ``sums[item][block]``.
+
+    Raises:
+        Aborted: ``abort`` was set (checked between runs).
+    """
+
+    def checksum(run: Run) -> None:
         for p in run.pieces:
             sums[p.item][p.block] = crc32c.crc32c(p.view)
 
+    _each_run(runs, abort, checksum)
+
 
 def write_runs(runs: deque[Run], fd: int, abort: threading.Event) -> None:
-    """A writer's loop: take runs until none is left and write each at its offset in ``fd``.
+    """Write runs until none is left, each at its offset in ``fd``.
 
     Raises:
         Aborted: ``abort`` was set (checked between runs).
     """
-    while True:
-        if abort.is_set():
-            raise Aborted
-        try:
-            run = runs.popleft()
-        except IndexError:
-            return
-        write_run(fd, run)
+    _each_run(runs, abort, partial(write_run, fd))
 
 
 async def write(
