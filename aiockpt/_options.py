@@ -17,8 +17,8 @@ def auto_threads() -> int:
     Buffered reads and writes make the kernel copy every byte between the page cache and user memory on
     the calling thread's CPU, in stretches the scheduler does not interrupt. With as many such threads
     as CPUs, the event loop's thread waits for a CPU after each wake-up: on a 2-CPU machine, 2 reader
-    threads stalled the loop 15 ms at p99 where 1 thread stalled it under 1 ms, at about the same
-    bandwidth (see docs/benchmarks.md). So one CPU is always left to the event loop.
+    threads stalled the loop 15 ms at p99 where 1 thread stalled it under 2 ms, at about the same
+    bandwidth when run alone (see docs/benchmarks.md for the trade-off). So one CPU is left to the loop.
     """
     try:
         cpus = len(os.sched_getaffinity(0))
