@@ -58,7 +58,7 @@ async def test_checksums_computed_beside_the_writers_verify_on_load(tmp_path: Pa
     assert (await aiockpt.verify(tmp_path / "ckpt")).problems == ()
 
 
-async def test_a_failing_writer_stops_the_checksum_thread_and_names_the_file(
+async def test_a_failing_writer_fails_the_save_by_file_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = 0
@@ -72,13 +72,14 @@ async def test_a_failing_writer_stops_the_checksum_thread_and_names_the_file(
 
     monkeypatch.setattr("aiockpt._save._write.write_run", failing)
     state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}
-    before = threading.active_count()
+    io = IOConfig(threads=1, checksum_block=1 << 20)
     with pytest.raises(StorageError, match=r"data-r00000\.bin.*Input/output error"):
-        await aiockpt.save(state, tmp_path / "ckpt", io=IOConfig(threads=1, checksum_block=1 << 20))
-    assert not (tmp_path / "ckpt").exists()
-    assert [p.name for p in tmp_path.iterdir()] == []
-    # anyio keeps idle worker threads for reuse; none is left running our work.
-    assert threading.active_count() <= before + 3
+        await aiockpt.save(state, tmp_path / "ckpt", io=io)
+    assert calls == 3, "the writer stopped at the failing run"
+    assert [p.name for p in tmp_path.iterdir()] == []  # no checkpoint, no temp dir
+    monkeypatch.undo()
+    await aiockpt.save(state, tmp_path / "ckpt", io=io)  # the next save is unaffected
+    assert (await aiockpt.verify(tmp_path / "ckpt")).problems == ()
 
 
 async def test_run_each_raises_the_first_failure_and_aborts_the_others() -> None:
