@@ -84,15 +84,33 @@ def outline_of(type_: type[msgspec.Struct], raw: Mapping[str, Any]) -> type[msgs
 class SlicedDecoder(Generic[S]):
     """Decodes msgpack into ``type_`` like ``msgspec.msgpack.Decoder``, the items of ``field`` in slices.
 
-    ``item`` is the type of one item of the tuple field ``field``.
+    ``item`` is the type of one item of the tuple field ``field``. ``deferred`` maps other large fields
+    to their types: each is decoded in a call of its own, after offering the GIL, instead of inside the
+    outline's. Errors name a bad item as ``field[i]``, or as ``"{item_name} {i}"`` if given.
     """
 
-    def __init__(self, type_: type[S], field: str, item: Any) -> None:
+    def __init__(
+        self,
+        type_: type[S],
+        field: str,
+        item: Any,
+        *,
+        deferred: Mapping[str, Any] | None = None,
+        item_name: str | None = None,
+    ) -> None:
         self._type = type_
         self._field = field
-        self._outline = msgspec.msgpack.Decoder(outline_of(type_, {field: tuple[msgspec.Raw, ...]}))
+        deferred = dict(deferred or {})
+        raw: dict[str, Any] = dict.fromkeys(deferred, msgspec.Raw)
+        raw[field] = tuple[msgspec.Raw, ...]
+        self._outline = msgspec.msgpack.Decoder(outline_of(type_, raw))
+        self._deferred = {name: msgspec.msgpack.Decoder(typ) for name, typ in deferred.items()}
         self._items = msgspec.msgpack.Decoder(tuple[item, ...])
         self._item = msgspec.msgpack.Decoder(item)
+        self._item_name = item_name
+
+    def _where(self, i: int) -> str:
+        return f"{self._item_name} {i}" if self._item_name else f"{self._field}[{i}]"
 
     def decode(self, data: bytes | memoryview) -> S:
         """Decode and validate ``data``.
@@ -102,7 +120,11 @@ class SlicedDecoder(Generic[S]):
             msgspec.DecodeError: ``data`` is not valid msgpack.
         """
         outline = self._outline.decode(data)
-        raws: tuple[msgspec.Raw, ...] = getattr(outline, self._field)
+        values = {name: getattr(outline, name) for name in outline.__struct_fields__}
+        for name, decoder in self._deferred.items():
+            yield_gil()
+            values[name] = decoder.decode(values[name])
+        raws: tuple[msgspec.Raw, ...] = values[self._field]
         items: list[object] = []
         for start in range(0, len(raws), SLICE):
             yield_gil()
@@ -115,10 +137,9 @@ class SlicedDecoder(Generic[S]):
                     try:
                         self._item.decode(raw)
                     except msgspec.ValidationError as exc:
-                        raise msgspec.ValidationError(f"{exc} (in {self._field}[{i}])") from exc
+                        raise msgspec.ValidationError(f"{exc} (in {self._where(i)})") from exc
                     except msgspec.DecodeError as exc:
-                        raise msgspec.DecodeError(f"{exc} (in {self._field}[{i}])") from exc
+                        raise msgspec.DecodeError(f"{exc} (in {self._where(i)})") from exc
                 raise
-        values = {name: getattr(outline, name) for name in outline.__struct_fields__}
         values[self._field] = tuple(items)
         return self._type(**values)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import crc32c
 import msgspec
@@ -15,17 +14,14 @@ from .._format import (
     FORMAT_VERSION,
     MAGIC,
     MANIFEST_NAME,
-    OUTLINE_DECODER,
     PART_RE,
-    TENSOR_ENTRY_DECODER,
-    TREE_DECODER,
+    SLICED_MANIFEST_DECODER,
     Chunk,
     KeyPath,
     Manifest,
     TensorEntry,
 )
 from .._gc import paused
-from .._threads import yield_gil
 
 
 def _read_one(path: Path) -> Manifest:
@@ -78,7 +74,7 @@ def decode_manifest(raw: bytes, file: str) -> Manifest:
         raise CorruptionError(f"{file} is damaged: its checksum does not match", file=file)
     try:
         with paused():
-            manifest = _decode_in_slices(env.body)
+            manifest = SLICED_MANIFEST_DECODER.decode(env.body)
     except (msgspec.DecodeError, ValueError) as exc:  # invalid UTF-8 surfaces as UnicodeDecodeError
         raise FormatError(f"{file} cannot be decoded: {exc}", file=file) from exc
     if manifest.format_version != env.format_version:
@@ -88,37 +84,6 @@ def decode_manifest(raw: bytes, file: str) -> Manifest:
             file=file,
         )
     return manifest
-
-
-# Tensor entries decoded between two offers of the GIL to the event loop's thread: about 0.3 ms of work.
-_ENTRIES_PER_SLICE = 512
-
-
-def _decode_in_slices(body: bytes) -> Manifest:
-    """Decode a manifest body, its tensor entries a slice at a time, offering the GIL between slices.
-
-    One ``Decoder.decode`` of a manifest of 20,000 tensors is a single C call that holds the GIL for
-    10-20 ms, stalling the event loop for as long. Decoded as an outline first (tree and entries left as
-    raw msgpack, 2 ms), then entry by entry, the longest hold is one slice.
-
-    Raises:
-        msgspec.DecodeError: The body does not match the schema (the message names the entry).
-    """
-    # A ManifestOutline, built at import time by msgspec.defstruct: its fields are not visible to mypy.
-    outline: Any = OUTLINE_DECODER.decode(body)
-    yield_gil()
-    tree = TREE_DECODER.decode(outline.tree)
-    entries: list[TensorEntry] = []
-    for start in range(0, len(outline.tensors), _ENTRIES_PER_SLICE):
-        yield_gil()
-        for i, raw in enumerate(outline.tensors[start : start + _ENTRIES_PER_SLICE], start):
-            try:
-                entries.append(TENSOR_ENTRY_DECODER.decode(raw))
-            except msgspec.DecodeError as exc:
-                raise msgspec.DecodeError(f"{exc} (in tensor entry {i})") from exc
-    fields = {f: getattr(outline, f) for f in outline.__struct_fields__}
-    fields.update(tree=tree, tensors=tuple(entries))
-    return Manifest(**fields)
 
 
 def published_parts(path: Path) -> tuple[int, list[Path]] | None:

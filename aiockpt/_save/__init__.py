@@ -20,7 +20,7 @@ import anyio
 from .._codec import SlicedDecoder
 from .._codec import encode as sliced_encode
 from .._errors import CheckpointExistsError, DistributedError, StorageError
-from .._format import ENVELOPE_DECODER, MANIFEST_DECODER, MANIFEST_NAME, DictNode, Manifest
+from .._format import ENVELOPE_DECODER, MANIFEST_NAME, SLICED_MANIFEST_DECODER, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, OwnerLock, remove_tree
 from .._gc import paused
 from .._handle import Metadata, SaveMetrics, SaveState
@@ -116,7 +116,7 @@ def _read_summary(path: Path) -> tuple[Manifest, int, int]:
     """What a non-coordinator rank reports about a checkpoint rank 0 published."""
     raw = (path / MANIFEST_NAME).read_bytes()
     env = ENVELOPE_DECODER.decode(raw)
-    manifest = MANIFEST_DECODER.decode(env.body)
+    manifest = SLICED_MANIFEST_DECODER.decode(env.body)
     return manifest, env.body_crc32c, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
