@@ -17,7 +17,7 @@ import anyio
 
 from .._format import Key
 from .._gc import paused
-from .._load import hand_over, settle
+from .._load import assign, hand_over, settle
 from .._load._match import match
 from .._options import IOConfig
 from .._threads import acquire_sync, run_sync, short_switches
@@ -84,8 +84,7 @@ async def load_foreign(
             settle(plan, path, strict=strict, stacklevel=3)
             await source.fill(manifest, plan.destinations, threads=io.thread_count, limiter=limiter)
             await hand_over(plan, limiter)
-            for container, key, value in plan.assign:
-                container[key] = value
+            assign(plan)
         finally:
             with anyio.CancelScope(shield=True):
                 await run_sync(source.close, limiter)

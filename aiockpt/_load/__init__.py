@@ -26,7 +26,16 @@ from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
 from ._read import read_into
 
-__all__ = ["hand_over", "is_checkpoint", "published_parts", "read_manifest", "run_load", "run_read", "settle"]
+__all__ = [
+    "assign",
+    "hand_over",
+    "is_checkpoint",
+    "published_parts",
+    "read_manifest",
+    "run_load",
+    "run_read",
+    "settle",
+]
 
 
 async def _manifest(path: Location, limiter: anyio.CapacityLimiter | None) -> Manifest:
@@ -94,7 +103,7 @@ def settle(plan: LoadPlan, where: object, *, strict: bool, stacklevel: int = 4) 
         )
 
 
-def _assign(plan: LoadPlan) -> None:
+def assign(plan: LoadPlan) -> None:
     """Put the entries the template lacked (built from the checkpoint) into their containers."""
     for container, key, value in plan.assign:
         container[key] = value
@@ -127,7 +136,7 @@ async def _load(
     plan = await run_sync(partial(match, manifest, state, allow_pickle=allow_pickle), limiter)
     settle(plan, path, strict=strict)
     await _fill(path, manifest, plan, io, limiter)
-    await run_sync(partial(_assign, plan), limiter)
+    await run_sync(partial(assign, plan), limiter)
     # Neither name may keep the bookkeeping alive once it is handed to the thread that frees it.
     box: list[object] = [manifest, plan]
     del manifest, plan

@@ -237,9 +237,7 @@ async def read_into(
     # Foreign sources (safetensors) store no checksums; aiockpt's own manifests always say "crc32c".
     verify = manifest.checksum_algorithm != "none"
 
-    def plan_reads() -> tuple[
-        list[_Read], list[Callable[[], None]], list[torch.Tensor], dict[str, list[Piece]]
-    ]:
+    def plan_reads() -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor], _ByFile, int]:
         with paused():
             reads, copies, keep = prepare(manifest, destinations)
             checksums.extend(r.chunk.checksums for r in reads)
@@ -251,15 +249,13 @@ async def read_into(
                 pieces.sort(key=lambda p: p.offset)
                 jobs.extend((name, run) for run in group(pieces))
             work.extend(lanes(jobs, threads, lambda job: job[1].end - job[1].offset))
-            total.append(sum(len(r.view) for r in reads))
-        return reads, copies, keep, by_file
+        return reads, copies, keep, by_file, sum(len(r.view) for r in reads)
 
     fds: dict[str, int] = {}
     direct_fds: dict[str, int] = {}
     work: list[deque[tuple[str, Run]]] = []
     checksums: list[tuple[int, ...]] = []
-    total: list[int] = []
-    reads, copies, keep, by_file = await run_sync(plan_reads, limiter)
+    reads, copies, keep, by_file, total = await run_sync(plan_reads, limiter)
 
     def corrupt(r: _Read, what: str) -> CorruptionError:
         return chunk_error(directory, manifest, r.tensor, r.chunk, what)
@@ -290,11 +286,11 @@ async def read_into(
         # Anonymous mappings are page-aligned; one per reader, reused for every run of its lane.
         bounce = memoryview(mmap.mmap(-1, span)) if span else scratch
         address = ctypes.addressof(ctypes.c_char.from_buffer(bounce)) if span else 0
+        sums = checksums if verify else None
         while lane:
             if abort.is_set():
                 raise Aborted
             name, run = lane.popleft()
-            sums = checksums if verify else None
             dfd = direct_fds.get(name)
             if dfd is None:
                 short, bad = read_checked(fds[name], run, scratch, sums)
@@ -320,4 +316,4 @@ async def read_into(
             await run_sync(
                 lambda: _release([*fds.values(), *direct_fds.values()], copies, keep, reads, by_file), limiter
             )
-    return total[0]
+    return total
