@@ -19,6 +19,9 @@ from typing import TypeVar
 import anyio
 import anyio.to_thread
 
+from ._gc import paused
+from ._options import IOConfig
+
 T = TypeVar("T")
 
 
@@ -57,6 +60,17 @@ def short_switches(interval: float | None) -> Iterator[None]:
             _switch_depth -= 1
             if _switch_depth == 0:
                 sys.setswitchinterval(_switch_saved)
+
+
+@contextlib.contextmanager
+def responsive(io: IOConfig) -> Iterator[None]:
+    """The process-wide settings a save or load runs under, so that the event loop stays responsive.
+
+    The older GC generations held off (``io.pause_gc``, see :func:`~aiockpt._gc.paused`) and the short
+    GIL switch interval (``io.switch_interval``, see :func:`short_switches`).
+    """
+    with paused(io.pause_gc), short_switches(io.switch_interval):
+        yield
 
 
 def yield_gil() -> None:

@@ -25,7 +25,7 @@ from ._load._read import chunk_error, read_checked
 from ._options import IOConfig
 from ._runs import MAX_GAP, Piece, Run, group, lanes
 from ._storage import local
-from ._threads import run_sync, run_workers, short_switches
+from ._threads import responsive, run_sync, run_workers
 
 # How often ``progress`` hears about the bytes verified so far.
 _PROGRESS_INTERVAL = 0.1
@@ -177,7 +177,7 @@ async def verify(
     """
     directory = local(path, "verify")
     io = io or IOConfig()
-    with paused(io.pause_gc), short_switches(io.switch_interval):
+    with responsive(io):
         return await _verify(directory, io, progress)
 
 

@@ -16,11 +16,10 @@ from typing import Literal
 import anyio
 
 from .._format import Key
-from .._gc import paused
 from .._load import assign, hand_over, settle
 from .._load._match import match
 from .._options import IOConfig
-from .._threads import acquire_sync, run_sync, short_switches
+from .._threads import acquire_sync, responsive, run_sync
 from ._dcp import METADATA_NAME, DcpSource
 from ._safetensors import SUFFIX, SafetensorsSource, is_hf_dir
 from ._source import Source
@@ -75,7 +74,7 @@ async def load_foreign(
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
     """Load a foreign checkpoint into ``state`` in place, with the semantics of :func:`aiockpt.load`."""
-    with paused(io.pause_gc), short_switches(io.switch_interval):
+    with responsive(io):
         source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
         try:
             manifest, extra = await run_sync(lambda: source.shaped(state), limiter)
@@ -99,7 +98,7 @@ async def read_foreign(
     limiter: anyio.CapacityLimiter | None = None,
 ) -> dict[Key, object]:
     """Read a foreign checkpoint into a fresh tree of CPU tensors (see :func:`aiockpt.read`)."""
-    with paused(io.pause_gc), short_switches(io.switch_interval):
+    with responsive(io):
         source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
         try:
             plan = await run_sync(lambda: match(source.manifest, None, allow_pickle=allow_pickle), limiter)

@@ -17,10 +17,9 @@ import torch
 
 from .._errors import StateError, StateMismatchError, StateMismatchWarning
 from .._format import Key, Manifest
-from .._gc import paused
 from .._options import IOConfig
 from .._storage import Location, S3Path
-from .._threads import release, run_sync, short_switches
+from .._threads import release, responsive, run_sync
 from .._tree import render
 from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
@@ -119,7 +118,7 @@ async def run_load(
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state`` in place (see :func:`aiockpt.load`)."""
-    with paused(io.pause_gc), short_switches(io.switch_interval):
+    with responsive(io):
         await _load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, limiter=limiter)
 
 
@@ -147,7 +146,7 @@ async def run_read(
     path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None = None
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` into a fresh tree of CPU tensors (see :func:`aiockpt.read`)."""
-    with paused(io.pause_gc), short_switches(io.switch_interval):
+    with responsive(io):
         return await _read(path, allow_pickle=allow_pickle, io=io, limiter=limiter)
 
 

@@ -27,7 +27,7 @@ from .._handle import Metadata, SaveMetrics, SaveState
 from .._memory import StagingPool
 from .._options import IOConfig
 from .._storage import Location, S3Path
-from .._threads import acquire_sync, release, run_sync, short_switches
+from .._threads import acquire_sync, release, responsive, run_sync
 from .._world import World
 from ._finish import build_manifest, commit, encode_manifest
 from ._global_plan import GlobalPlan, RankPlan, global_plan
@@ -225,7 +225,7 @@ async def run_save(
     objects are freed by reference counting when :func:`_save` returns, before it resumes, so they never
     trigger a full collection, which would hold the GIL, and so stall the event loop, for a long time.
     """
-    with paused(req.io.pause_gc), short_switches(req.io.switch_interval):
+    with responsive(req.io):
         return await _save(req, world=world, pool=pool, metrics=metrics, report=report, limiter=limiter)
 
 
