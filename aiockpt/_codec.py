@@ -56,7 +56,7 @@ def encode(obj: msgspec.Struct, field: str) -> bytes:
     return _ENCODER.encode(msgspec.structs.replace(obj, **{field: raw}))
 
 
-def outline_of(type_: type[msgspec.Struct], raw: Mapping[str, Any]) -> type[msgspec.Struct]:
+def _outline_of(type_: type[msgspec.Struct], raw: Mapping[str, Any]) -> type[msgspec.Struct]:
     """A struct with ``type_``'s fields and options, but the types in ``raw`` for some fields.
 
     Decoding into it leaves those fields as raw msgpack (``raw`` maps them to ``msgspec.Raw`` or
@@ -103,7 +103,7 @@ class SlicedDecoder(Generic[S]):
         deferred = dict(deferred or {})
         raw: dict[str, Any] = dict.fromkeys(deferred, msgspec.Raw)
         raw[field] = tuple[msgspec.Raw, ...]
-        self._outline = msgspec.msgpack.Decoder(outline_of(type_, raw))
+        self._outline = msgspec.msgpack.Decoder(_outline_of(type_, raw))
         self._deferred = {name: msgspec.msgpack.Decoder(typ) for name, typ in deferred.items()}
         self._items = msgspec.msgpack.Decoder(tuple[item, ...])
         self._item = msgspec.msgpack.Decoder(item)
