@@ -24,18 +24,25 @@ _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
 
-def _load_renameat2() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _load_libc_fn(name: str, argtypes: list[type]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_renameat2 = _load_renameat2()
+_renameat2 = _load_libc_fn(
+    "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+)
+_linkat = _load_libc_fn(
+    "linkat", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+)
+_AT_EMPTY_PATH = 0x1000
+# Refusals that mean "this way of naming an unnamed file is not open to us here", not a real failure.
+_CANNOT_LINK = (errno.EPERM, errno.EACCES, errno.ENOENT, errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL)
 
 
 def absolute(path: str | os.PathLike[str]) -> Path:
@@ -115,26 +122,91 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
+def _open_unnamed(directory: Path) -> int:
+    """An unnamed file in ``directory`` (``O_TMPFILE``), or -1 where the platform or file system has none."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag:
+        return -1
+    try:
+        return os.open(directory, flag | os.O_RDWR, 0o644)
+    except OSError as exc:
+        # EOPNOTSUPP: the file system cannot; EISDIR/EINVAL: a kernel older than O_TMPFILE.
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            return -1
+        raise
+
+
+def _name_unnamed(fd: int, path: Path) -> bool:
+    """Give the ``O_TMPFILE`` file ``fd`` the name ``path`` (never replacing one); False if not allowed.
+
+    ``linkat(fd, "", AT_EMPTY_PATH)`` needs CAP_DAC_READ_SEARCH on most kernels; linking its
+    ``/proc/self/fd`` entry needs no privilege but is refused inside some sandboxes.
+
+    Raises:
+        OSError: The link failed for another reason (``path`` exists, the disk is full, ...).
+    """
+    if _linkat is not None:
+        if _linkat(fd, b"", _AT_FDCWD, os.fsencode(path), _AT_EMPTY_PATH) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err not in _CANNOT_LINK:
+            raise OSError(err, os.strerror(err), str(path))
+    try:
+        os.link(f"/proc/self/fd/{fd}", path, follow_symlinks=True)
+    except OSError as exc:
+        if exc.errno in _CANNOT_LINK:
+            return False
+        raise
+    return True
+
+
+def _create_locked(path: Path) -> tuple[int, bool]:
+    """Create ``path`` with an ``flock`` held on it; return its descriptor and whether it was atomic.
+
+    Atomic: the file is made unnamed, locked, then linked into place, so it never bears its name unlocked.
+    Otherwise it is made under a private name beside ``path``, locked, then renamed into place. Either
+    way an existing ``path`` is never replaced.
+
+    Raises:
+        FileExistsError: ``path`` exists.
+        OSError: It could not be created.
+    """
+    fd = _open_unnamed(path.parent)
+    if fd >= 0:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _name_unnamed(fd, path):
+                return fd, True
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    private = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
+    fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rename_noreplace(private, path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(private)
+        raise
+    return fd, False
+
+
 class OwnerLock:
     """An ``flock`` held by a live writer on ``<temp dir>.lock`` for as long as the temp dir exists.
 
-    The lock file is created under a private name, locked, then renamed into place, so nobody can ever
-    see it unlocked while its owner lives. The kernel drops the lock when the owner dies, which is how
-    :func:`collect_garbage` tells abandoned temp data from a save in progress in another process.
+    The lock file never bears its name unlocked while its owner lives (see :func:`_create_locked`), so
+    :func:`collect_garbage` may remove a free one at once. Where the file cannot be created unnamed, a
+    crash before its rename leaves it under its private name, which goes once stale. The kernel drops the
+    lock when the owner dies, which is how :func:`collect_garbage` tells abandoned temp data from a save
+    in progress in another process.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        private = path.with_name(f"{path.name}.{uuid.uuid4().hex}")
-        self._fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.rename(private, path)
-        except BaseException:
-            os.close(self._fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(private)
-            raise
+        self._fd, self.atomic = _create_locked(path)
 
     def release(self) -> None:
         """Remove the lock file, then drop the lock."""
@@ -162,7 +234,8 @@ def collect_garbage(root: Path, *, stale_after: float = 60.0, dry_run: bool = Fa
     """Remove temp data in ``root`` whose writer is gone (crashed saves, interrupted deletions).
 
     A temp directory goes once its owner lock is free (or it never had one: deletions in progress are
-    idempotent). Loose temp files (lock files, half-written ``latest``) go once unlocked and older than
+    idempotent), and so does a lock file whose directory was never made. Other loose temp files (a
+    half-written ``latest``, a lock file still under its private name) go once unlocked and older than
     ``stale_after`` seconds, which leaves a live writer time to rename them into place.
 
     Args:
@@ -188,6 +261,11 @@ def collect_garbage(root: Path, *, stale_after: float = 60.0, dry_run: bool = Fa
         lock = entry.with_name(entry.name + LOCK_SUFFIX)
         if is_dir:
             if owner_alive(lock):
+                continue
+        elif entry.name.endswith(LOCK_SUFFIX):
+            # A lock file bears its final name only while its owner holds it (see OwnerLock): free, it is
+            # an orphan of a writer that died before creating its temp dir, whatever its age.
+            if owner_alive(entry):
                 continue
         elif age < stale_after or owner_alive(entry):
             continue

@@ -37,10 +37,11 @@ MiB = 1024 * 1024
 # float32 elements of step s's tensor: SIZES[s % 4] (64 KiB .. 1 MiB).
 SIZES = (16 * 1024, 64 * 1024, 128 * 1024, 256 * 1024)
 STEP_DIR = re.compile(r"step-(\d{8})")
-# What a killed writer may leave that only ageing makes collectable: a lock file without its directory
-# (created before the mkdir, or left between publishing and unlocking), a lock file under its private
-# name (before its rename), a half-written `latest`.
-LOOSE = re.compile(r"\.tmp-(step-\d{8}-[0-9a-f]{12}\.lock(\.[0-9a-f]{32})?|latest-[0-9a-f]{32})")
+# What a killed writer may leave that only ageing makes collectable: a half-written `latest`, and where the
+# lock file cannot be made unnamed (no O_TMPFILE + linkat), a lock file under its private name (before its
+# rename). A free lock file under its own name (its directory not made yet, or already published) goes at
+# once.
+LOOSE = re.compile(r"\.tmp-(step-\d{8}-[0-9a-f]{12}\.lock\.[0-9a-f]{32}|latest-[0-9a-f]{32})")
 
 CHILD = """
 import asyncio, sys

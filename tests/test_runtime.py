@@ -20,7 +20,9 @@ import torch
 from conftest import assert_tree_equal, listdir, read_text, tmp_entries
 
 import aiockpt
+import aiockpt._fs
 from aiockpt import BusyError, Checkpointer, CheckpointNotFoundError, SaveState
+from aiockpt._fs import OwnerLock, owner_alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -306,6 +308,58 @@ async def test_temp_data_of_a_live_writer_survives_an_open(root: Path) -> None:
     async with Checkpointer(root):
         pass
     assert tmp_entries(root) == []
+
+
+def test_owner_lock_never_bears_its_name_unlocked(tmp_path: Path) -> None:
+    path = tmp_path / ".tmp-step-00000001-0123456789ab.lock"
+    lock = OwnerLock(path)
+    if not lock.atomic:
+        lock.release()
+        pytest.skip("no O_TMPFILE + linkat here: the lock is made under a private name and renamed")
+    # Made unnamed, locked, then linked: no private name ever existed, and the name is locked.
+    assert listdir(tmp_path) == [path.name]
+    assert owner_alive(path)
+    lock.release()
+    assert listdir(tmp_path) == []
+
+
+def test_owner_lock_falls_back_to_a_private_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aiockpt._fs, "_name_unnamed", lambda fd, path: False)
+    path = tmp_path / ".tmp-step-00000001-0123456789ab.lock"
+    lock = OwnerLock(path)
+    assert not lock.atomic
+    assert listdir(tmp_path) == [path.name]
+    assert owner_alive(path)
+    with pytest.raises(FileExistsError):  # never replaces a lock, whichever way it is made
+        OwnerLock(path)
+    monkeypatch.undo()
+    with pytest.raises(FileExistsError):
+        OwnerLock(path)
+    lock.release()
+    assert listdir(tmp_path) == []
+
+
+async def test_free_lock_files_go_at_once_other_loose_files_once_stale(root: Path) -> None:
+    root.mkdir()
+    orphan = root / ".tmp-step-00000005-0123456789ab.lock"  # its writer died before its mkdir
+    orphan.write_bytes(b"")
+    held = OwnerLock(root / ".tmp-step-00000006-0123456789ab.lock")  # a live writer's, about to mkdir
+    private = root / (orphan.name + "." + "0" * 32)  # a lock under its private name, maybe not yet locked
+    private.write_bytes(b"")
+    latest = root / (".tmp-latest-" + "1" * 32)  # a `latest` being written
+    latest.write_bytes(b"step-00000004\n")
+    try:
+        async with Checkpointer(root):
+            pass
+        assert tmp_entries(root) == sorted([held.path.name, private.name, latest.name])
+        for p in (private, latest):
+            then = os.stat(p).st_mtime - 3600
+            os.utime(p, (then, then))
+        async with Checkpointer(root):
+            pass
+        assert tmp_entries(root) == [held.path.name]
+    finally:
+        held.release()
 
 
 # --- watch() --------------------------------------------------------------------------------------------
