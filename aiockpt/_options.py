@@ -57,6 +57,13 @@ class IOConfig:
             buffered load; the price is a user-space copy, and a checkpoint that is still in the page
             cache (just saved) is read from the device again. Files or platforms that refuse
             ``O_DIRECT`` are read through the page cache as usual.
+        worker_nice: How much lower than the caller's the scheduling priority of the threads that move
+            and checksum a save's or load's bytes is (a ``nice`` increment; Linux and other POSIX
+            systems; 0 leaves it). They run at full speed on an otherwise idle CPU, but when every CPU
+            is busy the kernel runs the event loop's thread first as soon as it wakes, instead of making
+            it wait for a time slice behind a thread that is copying pages. Each such worker is a thread
+            of its own, started per save or load and gone after it, because an unprivileged process
+            cannot raise a thread's priority back.
     """
 
     threads: int | None = None
@@ -64,6 +71,7 @@ class IOConfig:
     pause_gc: bool = True
     switch_interval: float | None = 0.0005
     direct_reads: bool = False
+    worker_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
@@ -73,6 +81,8 @@ class IOConfig:
                 f"IOConfig.switch_interval must be a positive number of seconds or None, "
                 f"not {self.switch_interval}"
             )
+        if not 0 <= self.worker_nice <= 19:
+            raise CheckpointError(f"IOConfig.worker_nice must be between 0 and 19, not {self.worker_nice}")
         if self.checksum_block < 4096 or self.checksum_block % 4096:
             raise CheckpointError(
                 f"IOConfig.checksum_block must be a positive multiple of 4096, not {self.checksum_block}"

@@ -37,11 +37,15 @@ class Piece:
 
 @dataclass(slots=True)
 class Run:
-    """Pieces that one vectored call moves, starting at file ``offset``."""
+    """Pieces that one vectored call moves, starting at file ``offset``.
+
+    They are ``pieces[first : first + len(self.pieces)]`` of the list :func:`group` was given.
+    """
 
     offset: int
     pieces: list[Piece] = field(default_factory=list)
     end: int = 0
+    first: int = 0
 
 
 def split(offset: int, view: memoryview, item: int, block: int) -> list[Piece]:
@@ -56,7 +60,7 @@ def group(pieces: list[Piece]) -> list[Run]:
     """Group pieces, sorted by offset, into runs of nearby pieces."""
     runs: list[Run] = []
     run: Run | None = None
-    for p in pieces:
+    for i, p in enumerate(pieces):
         n = len(p.view)
         if (
             run is None
@@ -65,7 +69,7 @@ def group(pieces: list[Piece]) -> list[Run]:
             or run.end - run.offset + n > RUN_BYTES
             or len(run.pieces) >= MAX_IOV
         ):
-            run = Run(offset=p.offset, end=p.offset)
+            run = Run(offset=p.offset, end=p.offset, first=i)
             runs.append(run)
         run.pieces.append(p)
         run.end = p.offset + n

@@ -9,6 +9,9 @@ cancelled or any worker fails.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import gc
+import os
 import sys
 import threading
 import time
@@ -18,6 +21,8 @@ from typing import TypeVar
 
 import anyio
 import anyio.to_thread
+import msgspec
+import msgspec.structs
 
 from ._gc import paused
 from ._options import IOConfig
@@ -62,15 +67,25 @@ def short_switches(interval: float | None) -> Iterator[None]:
                 sys.setswitchinterval(_switch_saved)
 
 
+# The nice increment of the threads that run_each starts for the save or load running in this context.
+_worker_nice: contextvars.ContextVar[int] = contextvars.ContextVar("aiockpt_worker_nice", default=0)
+
+
 @contextlib.contextmanager
 def responsive(io: IOConfig) -> Iterator[None]:
-    """The process-wide settings a save or load runs under, so that the event loop stays responsive.
+    """The settings a save or load runs under, so that the event loop stays responsive.
 
-    The older GC generations held off (``io.pause_gc``, see :func:`~aiockpt._gc.paused`) and the short
-    GIL switch interval (``io.switch_interval``, see :func:`short_switches`).
+    Process-wide: the older GC generations held off (``io.pause_gc``, see :func:`~aiockpt._gc.paused`)
+    and the short GIL switch interval (``io.switch_interval``, see :func:`short_switches`). For this
+    task: the lower priority of the threads that move its bytes (``io.worker_nice``, see
+    :func:`run_each`).
     """
-    with paused(io.pause_gc), short_switches(io.switch_interval):
-        yield
+    token = _worker_nice.set(io.worker_nice)
+    try:
+        with paused(io.pause_gc), short_switches(io.switch_interval):
+            yield
+    finally:
+        _worker_nice.reset(token)
 
 
 def yield_gil() -> None:
@@ -100,15 +115,50 @@ async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | Non
     return result  # noqa: RET504 (mypy sees the shielded scope as able to swallow a return)
 
 
+# Objects freed at a time between offers of the GIL when a large container is dismantled: each slice of
+# 20,000 small tensors' bookkeeping takes about 0.1 ms to free.
+_FREE_SLICE = 256
+
+
+def dismantle(box: list[object]) -> None:
+    """Drop the objects in ``box``, whose last references it should hold, a slice at a time. Blocking.
+
+    Freeing a container of 10^4 tensors, memoryviews or plan items frees all of them in one C call that
+    holds the GIL for milliseconds, wherever it runs: a stall of the event loop's thread. Here containers
+    of more than ``_FREE_SLICE`` items are emptied into a private list that is freed a slice at a time,
+    offering the GIL in between, and the smaller objects found on the way (a dataclass, a struct) are
+    opened the same way, so no single free is large. Nothing is mutated: an object still referenced
+    elsewhere is only let go of, and what only it holds is freed with it as before.
+    """
+    stack = box[:]
+    box.clear()
+    while stack:
+        obj = stack.pop()
+        # Two references: ``obj`` and getrefcount's argument. More: someone else keeps it alive.
+        if sys.getrefcount(obj) > 2:
+            continue
+        if isinstance(obj, (list, tuple, dict, set, frozenset)) and len(obj) > _FREE_SLICE:
+            items = [*obj, *obj.values()] if isinstance(obj, dict) else list(obj)
+            del obj  # only references are dropped: ``items`` keeps every element alive
+            while items:
+                del items[-_FREE_SLICE:]
+                yield_gil()
+        elif isinstance(obj, msgspec.Struct):
+            stack.extend(msgspec.structs.astuple(obj))  # gc=False structs show no referents to gc
+        else:
+            stack.extend(gc.get_referents(obj))
+
+
 async def release(box: list[object], limiter: anyio.CapacityLimiter | None = None) -> None:
     """Drop the objects in ``box`` in a worker thread, which must then hold their last references.
 
-    Freeing the per-tensor bookkeeping of a checkpoint of 10^4 tensors is one cascade of deallocations
-    that holds the GIL for several milliseconds; done on the event loop's thread, it is a stall. Callers
-    move their references into ``box`` and ``del`` their own names first.
+    Freeing the per-tensor bookkeeping of a checkpoint of 10^4 tensors holds the GIL for several
+    milliseconds: done on the event loop's thread it is a stall, and as one C call in a worker it is one
+    too (see :func:`dismantle`). Callers move their references into ``box`` and ``del`` their own names
+    first.
     """
     with anyio.CancelScope(shield=True):
-        await anyio.to_thread.run_sync(box.clear, limiter=limiter)
+        await anyio.to_thread.run_sync(partial(dismantle, box), limiter=limiter)
 
 
 async def run_workers(
@@ -129,13 +179,15 @@ async def run_each(
 
     Every work must return soon after ``abort`` is set. The first exception raised by a worker sets
     ``abort`` and is re-raised here once every worker has returned (an :class:`Aborted` of a sibling is
-    dropped).
+    dropped). Inside :func:`responsive`, with a ``worker_nice`` above 0, each work runs in a new thread
+    of that lower priority, which the pooled thread waits for.
 
     Raises:
         Exception: The first worker failure.
     """
     abort = threading.Event()
     errors: list[BaseException] = []
+    nice = _worker_nice.get()
 
     def guarded(work: Callable[[threading.Event], None]) -> None:
         try:
@@ -145,6 +197,19 @@ async def run_each(
         except BaseException as exc:
             errors.append(exc)
             abort.set()
+
+    def niced(work: Callable[[threading.Event], None]) -> None:
+        # A thread of its own, lowered and then gone: a pooled thread could not be raised back.
+        def lowered() -> None:
+            with contextlib.suppress(OSError):
+                os.nice(nice)  # on Linux this changes the calling thread only
+            guarded(work)
+
+        thread = threading.Thread(target=lowered, name="aiockpt-io", daemon=True)
+        thread.start()
+        thread.join()
+
+    run = niced if nice and hasattr(os, "nice") else guarded
 
     async def abort_on_cancel() -> None:
         try:
@@ -158,7 +223,7 @@ async def run_each(
         outer.start_soon(abort_on_cancel)
         async with anyio.create_task_group() as workers:
             for work in works:
-                workers.start_soon(partial(anyio.to_thread.run_sync, partial(guarded, work), limiter=limiter))
+                workers.start_soon(partial(anyio.to_thread.run_sync, partial(run, work), limiter=limiter))
         outer.cancel_scope.cancel()
     if errors:
         raise errors[0]

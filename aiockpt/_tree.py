@@ -27,6 +27,7 @@ from ._format import (
     TupleNode,
     ValueNode,
 )
+from ._threads import dismantle
 
 # int64 range: msgpack's signed integers; unsigned values up to 2**64 - 1 are encodable too.
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
@@ -311,4 +312,8 @@ def flatten(state: Mapping[str, object], *, allow_pickle: bool) -> Flattened:
         raise StateError(f"the state must be a mapping with str keys, not {type_name(state)}")
     f = _Flattener(allow_pickle)
     tree = f.mapping(cast("Mapping[object, object]", state), (), origin=None)
-    return Flattened(tree=tree, tensors=f.tensors, paths=f.paths, boxes=f.boxes)
+    flat = Flattened(tree=tree, tensors=f.tensors, paths=f.paths, boxes=f.boxes)
+    box: list[object] = [f]  # its index of tied storages, one entry per tensor, freed in slices
+    del f
+    dismantle(box)
+    return flat

@@ -8,13 +8,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio.to_thread
 import pytest
 import torch
 
 import aiockpt
 from aiockpt import CheckpointError, IOConfig, StorageError, _options
 from aiockpt._runs import Run, write_run
-from aiockpt._threads import Aborted, run_each, short_switches
+from aiockpt._threads import Aborted, responsive, run_each, short_switches
 
 
 @pytest.mark.parametrize(
@@ -37,6 +38,8 @@ def test_default_threads_leave_one_cpu_to_the_event_loop(
         ("threads", lambda: IOConfig(threads=0)),
         ("checksum_block", lambda: IOConfig(checksum_block=1000)),
         ("checksum_block", lambda: IOConfig(checksum_block=0)),
+        ("worker_nice", lambda: IOConfig(worker_nice=-1)),
+        ("worker_nice", lambda: IOConfig(worker_nice=20)),
     ],
 )
 def test_invalid_settings_are_refused_by_name(name: str, make: Callable[[], IOConfig]) -> None:
@@ -141,3 +144,33 @@ async def test_a_save_and_load_restore_the_switch_interval(tmp_path: Path) -> No
 def test_switch_interval_must_be_positive() -> None:
     with pytest.raises(CheckpointError, match=r"IOConfig\.switch_interval"):
         IOConfig(switch_interval=0.0)
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no per-thread nice here")
+@pytest.mark.parametrize("nice", [0, 7])
+async def test_workers_run_at_the_lower_priority_in_threads_of_their_own(nice: int) -> None:
+    seen: list[tuple[int, int, str]] = []
+    pooled: list[int] = []
+
+    def work(abort: threading.Event) -> None:
+        seen.append((threading.get_native_id(), _nice(), threading.current_thread().name))
+
+    def pooled_nice() -> None:
+        pooled.append(_nice())
+
+    caller = _nice()
+    with responsive(IOConfig(worker_nice=nice)):
+        await run_each([work, work])
+    await run_each([work])  # outside a save or load: the caller's priority
+    assert [n for _, n, _ in seen] == [min(caller + nice, 19)] * 2 + [caller]
+    if nice:
+        assert [name for _, _, name in seen[:2]] == ["aiockpt-io"] * 2
+        assert len({tid for tid, _, _ in seen[:2]}) == 2
+    # No pooled thread was left at the lower priority: every one of them runs at the caller's.
+    for _ in range(4):
+        await anyio.to_thread.run_sync(pooled_nice)
+    assert set(pooled) == {caller}

@@ -154,6 +154,10 @@ async def _read(
     path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
 ) -> dict[Key, object]:
     manifest = await _manifest(path, limiter)
-    plan = await run_sync(lambda: match(manifest, None, allow_pickle=allow_pickle), limiter)
+    plan = await run_sync(partial(match, manifest, None, allow_pickle=allow_pickle), limiter)
     await _fill(path, manifest, plan, io, limiter)
-    return plan.result
+    result = plan.result
+    box: list[object] = [manifest, plan]  # as in _load; ``result`` stays alive through its own name
+    del manifest, plan
+    await release(box, limiter)
+    return result

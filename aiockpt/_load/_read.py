@@ -26,7 +26,7 @@ from .._format import Chunk, Manifest
 from .._gc import paused
 from .._memory import byte_view
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
-from .._threads import Aborted, run_sync, run_workers
+from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
 from ._match import Destination
 
@@ -204,10 +204,13 @@ def _release(
 ) -> None:
     for fd in fds:
         os.close(fd)
+    # The containers stay referenced by the caller: their items move into ``box``, freed in slices.
+    box: list[object] = [copies[:], keep[:], reads[:], list(by_file.values())]
     copies.clear()
     keep.clear()
     reads.clear()
     by_file.clear()
+    dismantle(box)
 
 
 def _run_all(calls: Iterable[Callable[[], object]]) -> None:

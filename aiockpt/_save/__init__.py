@@ -27,7 +27,7 @@ from .._handle import Metadata, SaveMetrics, SaveState
 from .._memory import StagingPool
 from .._options import IOConfig
 from .._storage import Location, S3Path
-from .._threads import acquire_sync, release, responsive, run_sync
+from .._threads import acquire_sync, dismantle, release, responsive, run_sync
 from .._world import World
 from ._finish import build_manifest, commit, encode_manifest
 from ._global_plan import GlobalPlan, RankPlan, global_plan
@@ -57,12 +57,22 @@ class SaveRequest:
 
 def _plan_local(rank: int, staged: Staged) -> bytes:
     with paused():
-        return sliced_encode(local_plan(rank, staged.flat), "items")
+        local = local_plan(rank, staged.flat)
+        encoded = sliced_encode(local, "items")
+        box: list[object] = [local]  # one item per tensor: freed in slices, not in one stall
+        del local
+        dismantle(box)
+    return encoded
 
 
 def _plan_global(gathered: list[bytes]) -> GlobalPlan:
     with paused():
-        return global_plan([_LOCAL_PLAN.decode(b) for b in gathered])
+        plans = [_LOCAL_PLAN.decode(b) for b in gathered]
+        plan = global_plan(plans)
+        box: list[object] = [plans]
+        del plans
+        dismantle(box)
+    return plan
 
 
 def _manifest(

@@ -14,6 +14,7 @@ import msgspec
 
 from .._errors import StateError
 from .._format import Chunk, KeyPath, TensorEntry, data_file_name
+from .._threads import dismantle
 from .._tree import render
 from ._local_plan import LocalPlan, WriteItem
 
@@ -141,4 +142,8 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
         TensorEntry(path=item.path, dtype=item.dtype, shape=item.shape, chunks=tuple(chunks[t]))
         for t, item in enumerate(first)
     )
+    # The indexes above hold a few objects per chunk: freed in slices rather than in one stall at return.
+    box: list[object] = [tensor_index, per_rank, holders, shared, chunks]
+    del tensor_index, per_rank, holders, shared, chunks
+    dismantle(box)
     return GlobalPlan(ranks=tuple(rank_plans), tensors=tensors)

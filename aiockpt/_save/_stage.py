@@ -16,7 +16,7 @@ import torch
 
 from .._gc import paused
 from .._memory import Claim, StagingPool, byte_view, nbytes_of
-from .._threads import acquire_sync, run_sync
+from .._threads import acquire_sync, dismantle, run_sync
 from .._tree import Flattened, flatten
 
 # Large staged tensors start at multiples of this, so every dtype view of the buffer is aligned.
@@ -117,7 +117,9 @@ def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
             with paused():
                 parts = [_as_bytes(tensors[i]) for i in layout.small]
             torch.cat(parts, out=buffer[: layout.packed])
+            box: list[object] = [parts]  # one tensor view per small tensor: freed in slices
             del parts
+            dismantle(box)
         for i in layout.large:
             t = tensors[i]
             off = layout.offsets[i]

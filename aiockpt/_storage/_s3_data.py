@@ -26,7 +26,7 @@ from .._format import Manifest
 from .._gc import paused
 from .._load._read import prepare
 from .._runs import MAX_GAP, Piece, Run, group, split
-from .._save._write import WriteResult, _pieces, blocks, checksum_runs
+from .._save._write import Checksums, WriteResult, _pieces
 from .._threads import run_sync, run_workers
 from .._tree import render
 from ._s3 import ERRORS, _failed, store, url
@@ -173,9 +173,9 @@ async def upload(
     where = url(path, plan.file)
     pieces = _pieces(plan, sources, block)
     runs: deque[Run] = deque(group(pieces))
-    sums = [[0] * blocks(len(sources[w.item]), block) for w in plan.writes]
+    sums = Checksums(pieces, len(plan.writes))
 
-    await run_workers(partial(checksum_runs, runs, sums), min(threads, max(1, len(runs))), limiter)
+    await run_workers(partial(sums.fill, runs), min(threads, max(1, len(runs))), limiter)
     key = (path / plan.file).key
     try:
         await _put(path, key, _body(pieces, plan.nbytes), plan.nbytes)
@@ -184,7 +184,7 @@ async def upload(
         raise _failed("upload", where, exc) from exc
     if size != plan.nbytes:
         raise StorageError(f"{where} holds {size} bytes after its upload, not {plan.nbytes}", path=where)
-    return WriteResult(rank=plan.rank, checksums=tuple(tuple(s) for s in sums), nbytes=plan.nbytes)
+    return WriteResult(rank=plan.rank, checksums=sums.by_write(), nbytes=plan.nbytes)
 
 
 async def download(
