@@ -23,7 +23,7 @@ import msgspec
 
 from .._errors import StorageError
 from .._runs import Piece, Run, group, split, write_run
-from .._threads import Aborted, acquire_sync, run_each, run_sync
+from .._threads import Aborted, acquire_sync, release, run_each, run_sync
 from ._global_plan import RankPlan
 
 
@@ -132,10 +132,6 @@ async def write(
         pieces = _pieces(plan, sources, block)
         return group(pieces), Checksums(pieces, len(plan.writes))
 
-    def sync_and_report() -> WriteResult:
-        os.fsync(fd)
-        return WriteResult(rank=plan.rank, checksums=sums.by_write(), nbytes=plan.nbytes)
-
     def open_file() -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -150,14 +146,24 @@ async def write(
     runs, sums = await run_sync(cut, limiter)
     try:
         fd = await acquire_sync(open_file, limiter)
-        writer = partial(write_runs, deque(runs), fd)
-        summer = partial(sums.fill, deque(runs))
-        await run_each([summer, *[writer] * min(threads, max(1, len(runs)))], limiter)
-        result = await run_sync(sync_and_report, limiter)
+        writers = min(threads, max(1, len(runs)))
+        await run_each(
+            [partial(sums.fill, deque(runs)), *[partial(write_runs, deque(runs), fd)] * writers], limiter
+        )
+        result = await run_sync(partial(_sync_and_report, fd, plan, sums), limiter)
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc
     finally:
         if fd >= 0:
             with anyio.CancelScope(shield=True):
                 await run_sync(lambda: os.close(fd), limiter)
+        # A piece and a memoryview per block: freed in a worker, a slice at a time, not on the loop's thread.
+        box: list[object] = [runs, sums]
+        del runs, sums
+        await release(box, limiter)
     return result
+
+
+def _sync_and_report(fd: int, plan: RankPlan, sums: Checksums) -> WriteResult:
+    os.fsync(fd)
+    return WriteResult(rank=plan.rank, checksums=sums.by_write(), nbytes=plan.nbytes)
