@@ -88,14 +88,26 @@ def responsive(io: IOConfig) -> Iterator[None]:
         _worker_nice.reset(token)
 
 
-def yield_gil() -> None:
-    """Let a thread that is waiting for the GIL (the event loop's) take it now.
+# A worker offers the GIL at most this often (seconds of its own work between offers).
+_OFFER_EVERY = 0.0005
+_last_offer = threading.local()
 
-    CPython hands the GIL to a waiting thread only after its switch interval (5 ms) or when the holder
-    blocks. Worker threads call this between slices of long GIL-bound work (decoding a large manifest),
-    which bounds the event loop's wait by the slice, not by the switch interval.
+
+def yield_gil() -> None:
+    """Let a thread that is waiting for the GIL (the event loop's) take it, at most every 0.5 ms.
+
+    CPython hands the GIL to a waiting thread only after its switch interval (5 ms by default) or when
+    the holder blocks. Worker threads call this between slices of long GIL-bound work (decoding a large
+    manifest, freeing bookkeeping), which bounds the event loop's wait by the slice, not by the switch
+    interval. The offer is a zero-length sleep: one that returns sooner (``sched_yield``) gives the GIL
+    back before the waiting thread has woken up to take it. It costs about 80 us on a 2-vCPU VM, so it
+    is made only when 0.5 ms of work have passed since this thread's last one: offered after every
+    slice of 256 objects, it made freeing 10^5 objects ten times slower.
     """
-    time.sleep(0)  # releases the GIL around a zero-length sleep
+    now = time.perf_counter()
+    if now - getattr(_last_offer, "at", 0.0) >= _OFFER_EVERY:
+        time.sleep(0)
+        _last_offer.at = time.perf_counter()
 
 
 async def run_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
