@@ -163,10 +163,12 @@ async def test_workers_run_at_the_lower_priority_in_threads_of_their_own(nice: i
         pooled.append(_nice())
 
     caller = _nice()
-    with responsive(IOConfig(worker_nice=nice)):
+    with responsive(IOConfig(worker_nice=nice), lowered=True):  # a save
         await run_each([work, work])
+    with responsive(IOConfig(worker_nice=nice)):  # a load: readers keep the caller's priority
+        await run_each([work])
     await run_each([work])  # outside a save or load: the caller's priority
-    assert [n for _, n, _ in seen] == [min(caller + nice, 19)] * 2 + [caller]
+    assert [n for _, n, _ in seen] == [min(caller + nice, 19)] * 2 + [caller] * 2
     if nice:
         assert [name for _, _, name in seen[:2]] == ["aiockpt-io"] * 2
         assert len({tid for tid, _, _ in seen[:2]}) == 2

@@ -235,7 +235,7 @@ async def run_save(
     objects are freed by reference counting when :func:`_save` returns, before it resumes, so they never
     trigger a full collection, which would hold the GIL, and so stall the event loop, for a long time.
     """
-    with responsive(req.io):
+    with responsive(req.io, lowered=True):
         return await _save(req, world=world, pool=pool, metrics=metrics, report=report, limiter=limiter)
 
 
