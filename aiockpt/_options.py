@@ -58,16 +58,16 @@ class IOConfig:
             cache (just saved) is read from the device again. Files or platforms that refuse
             ``O_DIRECT`` are read through the page cache as usual.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
-            write and checksum a save's bytes is (a ``nice`` increment; Linux and other POSIX systems;
-            0 leaves it). They run at full speed on an otherwise idle CPU, but when every CPU is busy
-            the kernel runs the event loop's thread first as soon as it wakes, instead of making it
-            wait for a time slice behind a thread that is copying pages. Loads keep their readers at
-            the caller's priority (lowered, they made fresh reads slower). The price: while other
-            threads or processes of the caller's priority keep every CPU busy (CPU-bound training), a
-            save's writes get a smaller share of the CPU and take longer to become durable; 0 gives
-            them the caller's priority. Each such worker is a thread of its own, started per save or
-            load and gone after it, because an unprivileged process cannot raise a thread's priority
-            back.
+            write and checksum a save's bytes is (a ``nice`` increment; Linux only, where each thread
+            has its own; 0 leaves it). They run at full speed on an otherwise idle CPU, but when
+            every CPU is busy the kernel runs the event loop's thread first as soon as it wakes,
+            instead of making it wait for a time slice behind a thread that is copying pages. Loads
+            keep their readers at the caller's priority (lowered, they made fresh reads slower). The
+            price: while other threads or processes of the caller's priority keep every CPU busy
+            (CPU-bound training), a save's writes get a smaller share of the CPU and take longer to
+            become durable; 0 gives them the caller's priority. Each such worker is a thread of its
+            own, started per save and gone after it, because an unprivileged process cannot raise a
+            thread's priority back.
     """
 
     threads: int | None = None

@@ -193,8 +193,8 @@ async def run_each(
 
     Every work must return soon after ``abort`` is set. The first exception raised by a worker sets
     ``abort`` and is re-raised here once every worker has returned (an :class:`Aborted` of a sibling is
-    dropped). Inside :func:`responsive`, with a ``worker_nice`` above 0, each work runs in a new thread
-    of that lower priority, which the pooled thread waits for.
+    dropped). Inside ``responsive(io, lowered=True)`` with an ``io.worker_nice`` above 0, on Linux, each
+    work runs in a new thread of that lower priority, which the pooled thread waits for.
 
     Raises:
         Exception: The first worker failure.
@@ -216,14 +216,15 @@ async def run_each(
         # A thread of its own, lowered and then gone: a pooled thread could not be raised back.
         def lowered() -> None:
             with contextlib.suppress(OSError):
-                os.nice(nice)  # on Linux this changes the calling thread only
+                os.nice(nice)
             guarded(work)
 
         thread = threading.Thread(target=lowered, name="aiockpt-io", daemon=True)
         thread.start()
         thread.join()
 
-    run = niced if nice and hasattr(os, "nice") else guarded
+    # Only Linux gives each thread its own nice value; elsewhere os.nice would lower the whole process.
+    run = niced if nice and sys.platform == "linux" else guarded
 
     async def abort_on_cancel() -> None:
         try:
