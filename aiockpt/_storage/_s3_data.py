@@ -27,7 +27,7 @@ from .._gc import paused
 from .._load._read import prepare
 from .._runs import MAX_GAP, Piece, Run, group, split
 from .._save._write import Checksums, WriteResult, _pieces
-from .._threads import run_sync, run_workers
+from .._threads import release, run_sync, run_workers
 from .._tree import render
 from ._s3 import ERRORS, _failed, store, url
 
@@ -171,20 +171,30 @@ async def upload(
     if not plan.writes:
         return WriteResult(rank=plan.rank, checksums=(), nbytes=0)
     where = url(path, plan.file)
-    pieces = _pieces(plan, sources, block)
-    runs: deque[Run] = deque(group(pieces))
-    sums = Checksums(pieces, len(plan.writes))
 
-    await run_workers(partial(sums.fill, runs), min(threads, max(1, len(runs))), limiter)
-    key = (path / plan.file).key
+    def cut() -> tuple[deque[Run], Checksums, list[memoryview]]:
+        # Per-chunk Python work, proportional to the number of tensors: kept off the event loop's thread.
+        pieces = _pieces(plan, sources, block)
+        return deque(group(pieces)), Checksums(pieces, len(plan.writes)), _body(pieces, plan.nbytes)
+
+    runs, sums, body = await run_sync(cut, limiter)
     try:
-        await _put(path, key, _body(pieces, plan.nbytes), plan.nbytes)
-        size = (await obstore.head_async(store(path), key))["size"]
-    except ERRORS as exc:
-        raise _failed("upload", where, exc) from exc
-    if size != plan.nbytes:
-        raise StorageError(f"{where} holds {size} bytes after its upload, not {plan.nbytes}", path=where)
-    return WriteResult(rank=plan.rank, checksums=sums.by_write(), nbytes=plan.nbytes)
+        await run_workers(partial(sums.fill, runs), min(threads, max(1, len(runs))), limiter)
+        key = (path / plan.file).key
+        try:
+            await _put(path, key, body, plan.nbytes)
+            size = (await obstore.head_async(store(path), key))["size"]
+        except ERRORS as exc:
+            raise _failed("upload", where, exc) from exc
+        if size != plan.nbytes:
+            raise StorageError(f"{where} holds {size} bytes after its upload, not {plan.nbytes}", path=where)
+        checksums = await run_sync(sums.by_write, limiter)
+    finally:
+        # A piece and a memoryview or two per block: freed in a worker, a slice at a time (as in write()).
+        box: list[object] = [runs, sums, body]
+        del runs, sums, body
+        await release(box, limiter)
+    return WriteResult(rank=plan.rank, checksums=checksums, nbytes=plan.nbytes)
 
 
 async def download(
