@@ -29,9 +29,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     Raises:
         ValueError: ``t`` is not a contiguous CPU tensor.
     """
-    if t.device.type != "cpu" or not t.is_contiguous():
+    if not t.is_cpu or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    n = nbytes_of(t)
+    n = t.nbytes
     if n == 0:
         return _EMPTY
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -307,3 +309,91 @@ async def test_load_keeps_tensor_identity_everywhere(ckpt_path: Path) -> None:
     after = list(tensors_in(target))
     assert all(x is y for x, y in zip(before, after, strict=True))
     assert_tree_equal(target, saved)
+
+
+# --- Fresh tensors and read-ahead -----------------------------------------------------------------------
+
+
+async def test_read_builds_separate_contiguous_tensors_of_every_shape(ckpt_path: Path) -> None:
+    # Small tensors are cut from shared slabs; each must still be a contiguous tensor of its own bytes.
+    state: dict[str, object] = {
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "vec": torch.arange(5, dtype=torch.int16),
+        "mat": torch.randn(3, 7),
+        "cube": torch.randn(2, 3, 5).to(torch.bfloat16),
+        "vec2": torch.arange(9, dtype=torch.int16),
+        "large": torch.randn(128, 256),  # 128 KiB: memory of its own
+    }
+    await aiockpt.save(state, ckpt_path)
+    got = await aiockpt.read(ckpt_path)
+    assert_tree_equal(got, state)
+    for key, t in got.items():
+        assert isinstance(t, torch.Tensor)
+        assert t.is_contiguous(), key
+        assert t.stride() == torch.empty(t.shape).stride(), key
+    before = {k: t.clone() for k, t in got.items() if isinstance(t, torch.Tensor)}
+    got["vec"].fill_(-1)
+    got["mat"].fill_(-1)
+    for key in ("scalar", "vec2", "cube", "large"):
+        assert torch.equal(got[key], before[key]), f"writing to neighbours changed {key}"
+
+
+async def test_in_place_load_into_tensors_that_share_nothing_but_shape(ckpt_path: Path) -> None:
+    state = {f"t{i}": torch.full((4, 3), float(i)) for i in range(50)}
+    await aiockpt.save(state, ckpt_path)
+    target = {k: torch.zeros(4, 3) for k in state}
+    ptrs = {k: t.data_ptr() for k, t in target.items()}
+    await aiockpt.load(target, ckpt_path)
+    assert_tree_equal(target, state)
+    assert {k: t.data_ptr() for k, t in target.items()} == ptrs
+
+
+def test_prefetch_hints_the_head_of_every_data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiockpt._format import FileInfo
+    from aiockpt._load import _read
+
+    big, small = 5 * _read.PREFETCH_BYTES, 3 * (1 << 20) + 123
+    (tmp_path / "a.bin").write_bytes(b"")
+    (tmp_path / "b.bin").write_bytes(b"")
+    manifest = SimpleNamespace(
+        files=(
+            FileInfo(name="a.bin", nbytes=big),
+            FileInfo(name="b.bin", nbytes=small),
+            FileInfo(name="gone.bin", nbytes=9),
+        )
+    )
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(_read.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    _read.prefetch(tmp_path, manifest)  # type: ignore[arg-type]
+    assert {advice for _, _, advice in calls} == {os.POSIX_FADV_WILLNEED}
+    share = _read.PREFETCH_BYTES // 3
+    step = calls[1][0] - calls[0][0]
+    starts = [off for off, _, _ in calls]
+    # File a: its share, in steps that each cover the gap to the next; file b: all of it; gone.bin: skipped.
+    a_starts = list(range(0, share, step))
+    b_starts = list(range(0, small, step))
+    assert starts == a_starts + b_starts
+    assert all(n >= step for _, n, _ in calls)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+async def test_loads_prefetch_local_data_unless_reading_directly(
+    direct: bool, ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiockpt._load as load_pkg
+
+    seen: list[Path] = []
+    real = load_pkg.prefetch
+    monkeypatch.setattr(
+        load_pkg, "prefetch", lambda path, manifest: (seen.append(path), real(path, manifest))
+    )
+    state = {"w": torch.randn(64, 64)}
+    await aiockpt.save(state, ckpt_path)
+    io = aiockpt.IOConfig(direct_reads=direct)
+    target = {"w": torch.zeros(64, 64)}
+    await aiockpt.load(target, ckpt_path, io=io)
+    got = await aiockpt.read(ckpt_path, io=io)
+    assert_tree_equal(target, state)
+    assert_tree_equal(got, state)
+    assert seen == ([] if direct else [ckpt_path, ckpt_path])

@@ -23,7 +23,7 @@ from .._threads import release, responsive, run_sync
 from .._tree import render
 from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
-from ._read import read_into
+from ._read import prefetch, read_into
 
 __all__ = [
     "assign",
@@ -37,12 +37,21 @@ __all__ = [
 ]
 
 
-async def _manifest(path: Location, limiter: anyio.CapacityLimiter | None) -> Manifest:
+async def _manifest(path: Location, io: IOConfig, limiter: anyio.CapacityLimiter | None) -> Manifest:
     if isinstance(path, S3Path):
         from .._storage._s3 import read_manifest as read_object_manifest
 
         return await read_object_manifest(path)
-    return await run_sync(lambda: read_manifest(path), limiter)
+
+    def read() -> Manifest:
+        manifest = read_manifest(path)
+        if not io.direct_reads:
+            # The disk reads ahead while the target is matched and the reads planned. Here, not in a
+            # thread beside the matching: its calls would compete with it and the loop for the GIL.
+            prefetch(path, manifest)
+        return manifest
+
+    return await run_sync(read, limiter)
 
 
 async def _fill(
@@ -131,7 +140,7 @@ async def _load(
     io: IOConfig,
     limiter: anyio.CapacityLimiter | None,
 ) -> None:
-    manifest = await _manifest(path, limiter)
+    manifest = await _manifest(path, io, limiter)
     plan = await run_sync(partial(match, manifest, state, allow_pickle=allow_pickle), limiter)
     settle(plan, path, strict=strict)
     await _fill(path, manifest, plan, io, limiter)
@@ -147,13 +156,13 @@ async def run_read(
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` into a fresh tree of CPU tensors (see :func:`aiockpt.read`)."""
     with responsive(io):
-        return await _read(path, allow_pickle=allow_pickle, io=io, limiter=limiter)
+        return await _read_fresh(path, allow_pickle=allow_pickle, io=io, limiter=limiter)
 
 
-async def _read(
+async def _read_fresh(
     path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
 ) -> dict[Key, object]:
-    manifest = await _manifest(path, limiter)
+    manifest = await _manifest(path, io, limiter)
     plan = await run_sync(partial(match, manifest, None, allow_pickle=allow_pickle), limiter)
     await _fill(path, manifest, plan, io, limiter)
     result = plan.result

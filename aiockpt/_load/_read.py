@@ -36,9 +36,12 @@ _ByFile = dict[str, list[Piece]]
 # (512 or 4096 bytes); page alignment satisfies every device.
 _DIO_ALIGN = mmap.PAGESIZE
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+# How much of a checkpoint's data :func:`prefetch` asks the kernel to start reading, in all.
+PREFETCH_BYTES = 64 << 20
+_PREFETCH_STEP = 1 << 20
 
 
-@dataclass
+@dataclass(slots=True)
 class _Read:
     tensor: int
     chunk: Chunk
@@ -46,7 +49,7 @@ class _Read:
 
 
 def _direct(dest: torch.Tensor) -> bool:
-    return dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
+    return dest.is_cpu and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
 
 
 def _overlap(
@@ -77,6 +80,17 @@ def prepare(
     for index, dest in destinations.items():
         entry = manifest.tensors[index]
         target = dest.tensor
+        if dest.offsets is None and len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
+            # One chunk holds the whole tensor, the common case of a single-process checkpoint, kept to
+            # a few operations per tensor. (Without offsets the target's shape is the entry's: matched.)
+            view = dest.view
+            if view is None and _direct(target):
+                view = byte_view(target)
+            if view is not None:
+                reads.append(_Read(index, entry.chunks[0], view))
+                if dest.also:
+                    copies.extend(lambda o=other, t=target: o.copy_(t) for other in dest.also)  # type: ignore[misc]
+                continue
         d_size = tuple(target.shape)
         d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
         if not _direct(target):
@@ -193,6 +207,33 @@ def _open_direct(path: Path) -> int | None:
         # EINVAL from file systems without direct I/O (tmpfs before 6.6, some FUSE mounts); a missing or
         # unreadable file fails the buffered open that comes first, with its own error.
         return None
+
+
+def prefetch(directory: Path, manifest: Manifest) -> None:
+    """Ask the kernel to start reading the head of each data file now, in the background. Blocking.
+
+    Matching and planning a state of 10^4 tensors take 0.1-0.2 s of CPU before the first byte is read;
+    with this hint the disk works meanwhile. It covers the first :data:`PREFETCH_BYTES` of the data
+    (split evenly over the files), so little is wasted when a load needs only some of them; readahead
+    takes over from there. Files that cannot be opened are skipped: the read stage reports them.
+    """
+    if not manifest.files or not hasattr(os, "posix_fadvise"):
+        return
+    share = PREFETCH_BYTES // len(manifest.files)
+    for info in manifest.files:
+        try:
+            fd = os.open(directory / info.name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            # Linux starts at most max(readahead, largest request) bytes per call (8 MiB here, often
+            # far less): steps of 1 MiB are covered whole on common devices.
+            for start in range(0, min(info.nbytes, share), _PREFETCH_STEP):
+                os.posix_fadvise(fd, start, _PREFETCH_STEP, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # a hint only: file systems that refuse it read on demand
+        finally:
+            os.close(fd)
 
 
 def _release(
