@@ -333,25 +333,28 @@ async def test_read_builds_separate_contiguous_tensors_of_every_shape(ckpt_path:
         assert t.is_contiguous(), key
         assert t.stride() == torch.empty(t.shape).stride(), key
     before = {k: t.clone() for k, t in got.items() if isinstance(t, torch.Tensor)}
-    got["vec"].fill_(-1)
-    got["mat"].fill_(-1)
+    tensor_at(got, "vec").fill_(-1)
+    tensor_at(got, "mat").fill_(-1)
     for key in ("scalar", "vec2", "cube", "large"):
-        assert torch.equal(got[key], before[key]), f"writing to neighbours changed {key}"
+        assert torch.equal(tensor_at(got, key), before[key]), f"writing to neighbours changed {key}"
 
 
 async def test_in_place_load_into_tensors_that_share_nothing_but_shape(ckpt_path: Path) -> None:
     state = {f"t{i}": torch.full((4, 3), float(i)) for i in range(50)}
     await aiockpt.save(state, ckpt_path)
-    target = {k: torch.zeros(4, 3) for k in state}
-    ptrs = {k: t.data_ptr() for k, t in target.items()}
+    target: dict[str, object] = {k: torch.zeros(4, 3) for k in state}
+    ptrs = {k: tensor_at(target, k).data_ptr() for k in target}
     await aiockpt.load(target, ckpt_path)
     assert_tree_equal(target, state)
-    assert {k: t.data_ptr() for k, t in target.items()} == ptrs
+    assert {k: tensor_at(target, k).data_ptr() for k in target} == ptrs
 
 
 def test_prefetch_hints_the_head_of_every_data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
     from aiockpt._format import FileInfo
-    from aiockpt._load import _read
+
+    _read = importlib.import_module("aiockpt._load._read")
 
     big, small = 5 * _read.PREFETCH_BYTES, 3 * (1 << 20) + 123
     (tmp_path / "a.bin").write_bytes(b"")
@@ -364,8 +367,8 @@ def test_prefetch_hints_the_head_of_every_data_file(tmp_path: Path, monkeypatch:
         )
     )
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(_read.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
-    _read.prefetch(tmp_path, manifest)  # type: ignore[arg-type]
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    _read.prefetch(tmp_path, manifest)
     assert {advice for _, _, advice in calls} == {os.POSIX_FADV_WILLNEED}
     share = _read.PREFETCH_BYTES // 3
     step = calls[1][0] - calls[0][0]
@@ -384,14 +387,17 @@ async def test_loads_prefetch_local_data_unless_reading_directly(
     import aiockpt._load as load_pkg
 
     seen: list[Path] = []
-    real = load_pkg.prefetch
-    monkeypatch.setattr(
-        load_pkg, "prefetch", lambda path, manifest: (seen.append(path), real(path, manifest))
-    )
+    real = load_pkg._read.prefetch
+
+    def spy(path: Path, manifest: object) -> None:
+        seen.append(path)
+        real(path, manifest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(load_pkg, "prefetch", spy)
     state = {"w": torch.randn(64, 64)}
     await aiockpt.save(state, ckpt_path)
     io = aiockpt.IOConfig(direct_reads=direct)
-    target = {"w": torch.zeros(64, 64)}
+    target: dict[str, object] = {"w": torch.zeros(64, 64)}
     await aiockpt.load(target, ckpt_path, io=io)
     got = await aiockpt.read(ckpt_path, io=io)
     assert_tree_equal(target, state)
