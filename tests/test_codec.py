@@ -71,3 +71,33 @@ def test_array_like_structs_keep_their_layout() -> None:
     data = encode(entry, "chunks")
     assert data == ENCODER.encode(entry)
     assert SlicedDecoder(TensorEntry, "chunks", Chunk).decode(data) == entry
+
+
+# --- Blobs: messages between ranks --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, SLICE, SLICE + 1, 3 * SLICE + 17])
+def test_blob_encoding_round_trips_and_stores_one_bin_per_slice(n: int) -> None:
+    plan = _plan(n)
+    data = encode(plan, "items", blobs=True)
+    assert SlicedDecoder(LocalPlan, "items", WriteItem, blobs=True).decode(data) == plan
+    # The field holds -(-n // SLICE) bin values, each a slice's items: nothing inline to walk.
+    raw = msgspec.msgpack.decode(data)
+    blobs = raw[1] if isinstance(raw, list) else raw["items"]
+    assert [type(b) for b in blobs] == [bytes] * (-(-n // SLICE))
+    assert sum(len(msgspec.msgpack.decode(b)) for b in blobs) == n
+
+
+def test_a_bad_item_in_a_blob_is_named_by_its_index() -> None:
+    good = _result(3 * SLICE)
+    checksums: list[object] = list(good.checksums)
+    checksums[700] = ("not", "ints")
+    data = encode(msgspec.structs.replace(good, checksums=tuple(checksums)), "checksums", blobs=True)
+    with pytest.raises(msgspec.ValidationError, match=r"in checksums\[700\]"):
+        SlicedDecoder(WriteResult, "checksums", tuple[int, ...], blobs=True).decode(data)
+
+
+def test_blob_and_inline_encodings_are_not_mixed_up() -> None:
+    data = encode(_result(SLICE + 1), "checksums")
+    with pytest.raises(msgspec.ValidationError):
+        SlicedDecoder(WriteResult, "checksums", tuple[int, ...], blobs=True).decode(data)

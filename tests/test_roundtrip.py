@@ -6,6 +6,7 @@ import math
 import struct
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 from conftest import (
@@ -32,6 +33,7 @@ from conftest import (
 
 import aiockpt
 from aiockpt import SaveState
+from aiockpt._load import read_manifest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -424,3 +426,25 @@ async def test_several_async_saves_in_flight(tmp_path: Path) -> None:
     for i in range(4):
         got = await aiockpt.read(tmp_path / f"c{i}")
         assert torch.equal(tensor_at(got, "x"), torch.full((1000,), float(i)))
+
+
+@pytest.mark.parametrize("with_large", [False, True], ids=["one-block-each", "mixed"])
+async def test_checksums_of_thousands_of_tensors_are_each_their_own(
+    with_large: bool, ckpt_path: Path
+) -> None:
+    # More tensors than one slice of checksum bookkeeping (2,048); with a tensor of several blocks, the
+    # other way of grouping a write's checksums.
+    state: dict[str, object] = {f"t{i:05d}": torch.full((3,), float(i)) for i in range(5000)}
+    if with_large:
+        state["large"] = torch.arange(3 * 4096, dtype=torch.float32)  # 48 KiB: 12 blocks of 4 KiB
+    io = aiockpt.IOConfig(checksum_block=4096)
+    await aiockpt.save(state, ckpt_path, io=io)
+    manifest = read_manifest(ckpt_path)
+    assert manifest.checksum_block == 4096
+    for entry in manifest.tensors:
+        t = tensor_at(state, *entry.path)
+        (chunk,) = entry.chunks
+        raw = bytes(raw_bytes(t).tolist())
+        want = tuple(crc32c.crc32c(raw[i : i + 4096]) for i in range(0, len(raw), 4096))
+        assert chunk.checksums == want, entry.path
+    assert_tree_equal(await aiockpt.read(ckpt_path), state)

@@ -36,8 +36,9 @@ from ._protocol import Exchanges, Status, describe
 from ._stage import Staged, stage
 from ._write import WriteResult, write
 
-_LOCAL_PLAN = SlicedDecoder(LocalPlan, "items", WriteItem)
-_WRITE_RESULT = SlicedDecoder(WriteResult, "checksums", tuple[int, ...])
+# Messages between ranks: items in msgpack bin slices (see sliced_encode's ``blobs``).
+_LOCAL_PLAN = SlicedDecoder(LocalPlan, "items", WriteItem, blobs=True)
+_WRITE_RESULT = SlicedDecoder(WriteResult, "checksums", tuple[int, ...], blobs=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +59,7 @@ class SaveRequest:
 def _plan_local(rank: int, staged: Staged) -> bytes:
     with paused():
         local = local_plan(rank, staged.flat)
-        encoded = sliced_encode(local, "items")
+        encoded = sliced_encode(local, "items", blobs=True)
         box: list[object] = [local]  # one item per tensor: freed in slices, not in one stall
         del local
         dismantle(box)
@@ -292,7 +293,8 @@ async def _save(
         await _give_back(pool, staged, limiter)
 
         # --- finish: votes, then the coordinator commits and tells everyone
-        vote = Status(ok=True, payload=await run_sync(partial(sliced_encode, result, "checksums"), limiter))
+        payload = await run_sync(partial(sliced_encode, result, "checksums", blobs=True), limiter)
+        vote = Status(ok=True, payload=payload)
         statuses = await exchanges.exchange("vote", vote)
         outcome = Status(ok=True)
         summary: tuple[Manifest, int, int] | None = None
