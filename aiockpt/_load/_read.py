@@ -80,14 +80,16 @@ def prepare(
     for index, dest in destinations.items():
         entry = manifest.tensors[index]
         target = dest.tensor
-        if dest.offsets is None and len(entry.chunks) == 1 and entry.chunks[0].sizes == entry.shape:
+        chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
+        whole = chunk is not None and chunk.sizes == entry.shape and not any(chunk.offsets)
+        if dest.offsets is None and whole and chunk is not None:
             # One chunk holds the whole tensor, the common case of a single-process checkpoint, kept to
             # a few operations per tensor. (Without offsets the target's shape is the entry's: matched.)
             view = dest.view
             if view is None and _direct(target):
                 view = byte_view(target)
             if view is not None:
-                reads.append(_Read(index, entry.chunks[0], view))
+                reads.append(_Read(index, chunk, view))
                 if dest.also:
                     copies.extend(lambda o=other, t=target: o.copy_(t) for other in dest.also)  # type: ignore[misc]
                 continue
