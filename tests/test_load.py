@@ -349,35 +349,48 @@ async def test_in_place_load_into_tensors_that_share_nothing_but_shape(ckpt_path
     assert {k: tensor_at(target, k).data_ptr() for k in target} == ptrs
 
 
-def test_prefetch_hints_the_head_of_every_data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("sizes", "hinted"),
+    [
+        ((5 << 30,), 64 << 20),  # a large file: its first PREFETCH_BYTES
+        ((3 * (1 << 20) + 123,), 3 * (1 << 20) + 123),  # a small one: all of it
+        ((1 << 20, 1 << 20), 0),  # several ranks' files: none
+    ],
+)
+def test_prefetch_hints_the_head_of_a_single_data_file(
+    sizes: tuple[int, ...], hinted: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import importlib
 
     from aiockpt._format import FileInfo
 
     _read = importlib.import_module("aiockpt._load._read")
-
-    big, small = 5 * _read.PREFETCH_BYTES, 3 * (1 << 20) + 123
-    (tmp_path / "a.bin").write_bytes(b"")
-    (tmp_path / "b.bin").write_bytes(b"")
-    manifest = SimpleNamespace(
-        files=(
-            FileInfo(name="a.bin", nbytes=big),
-            FileInfo(name="b.bin", nbytes=small),
-            FileInfo(name="gone.bin", nbytes=9),
-        )
-    )
+    assert _read.PREFETCH_BYTES == 64 << 20
+    files = tuple(FileInfo(name=f"data-{i}.bin", nbytes=n) for i, n in enumerate(sizes))
+    for info in files:
+        (tmp_path / info.name).write_bytes(b"")
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
-    _read.prefetch(tmp_path, manifest)
-    assert {advice for _, _, advice in calls} == {os.POSIX_FADV_WILLNEED}
-    share = _read.PREFETCH_BYTES // 3
-    step = calls[1][0] - calls[0][0]
+    _read.prefetch(tmp_path, SimpleNamespace(files=files))
+    if not hinted:
+        assert calls == []
+        return
+    # Consecutive steps from offset 0, each starting where the last ended, covering the hinted head and
+    # starting none beyond it.
+    assert all(advice == os.POSIX_FADV_WILLNEED for _, _, advice in calls)
     starts = [off for off, _, _ in calls]
-    # File a: its share, in steps that each cover the gap to the next; file b: all of it; gone.bin: skipped.
-    a_starts = list(range(0, share, step))
-    b_starts = list(range(0, small, step))
-    assert starts == a_starts + b_starts
-    assert all(n >= step for _, n, _ in calls)
+    ends = [off + n for off, n, _ in calls]
+    assert starts == [0, *ends[:-1]]
+    assert ends[-1] >= hinted > starts[-1]
+
+
+def test_prefetch_skips_a_missing_data_file(tmp_path: Path) -> None:
+    import importlib
+
+    from aiockpt._format import FileInfo
+
+    _read = importlib.import_module("aiockpt._load._read")
+    _read.prefetch(tmp_path, SimpleNamespace(files=(FileInfo(name="gone.bin", nbytes=9),)))
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -36,7 +36,7 @@ _ByFile = dict[str, list[Piece]]
 # (512 or 4096 bytes); page alignment satisfies every device.
 _DIO_ALIGN = mmap.PAGESIZE
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-# How much of a checkpoint's data :func:`prefetch` asks the kernel to start reading, in all.
+# How much of a checkpoint's data :func:`prefetch` asks the kernel to start reading.
 PREFETCH_BYTES = 64 << 20
 _PREFETCH_STEP = 1 << 20
 
@@ -212,30 +212,31 @@ def _open_direct(path: Path) -> int | None:
 
 
 def prefetch(directory: Path, manifest: Manifest) -> None:
-    """Ask the kernel to start reading the head of each data file now, in the background. Blocking.
+    """Ask the kernel to start reading the head of the data now, in the background. Blocking.
 
     Matching and planning a state of 10^4 tensors take 0.1-0.2 s of CPU before the first byte is read;
-    with this hint the disk works meanwhile. It covers the first :data:`PREFETCH_BYTES` of the data
-    (split evenly over the files), so little is wasted when a load needs only some of them; readahead
-    takes over from there. Files that cannot be opened are skipped: the read stage reports them.
+    with this hint the disk works meanwhile. It covers the first :data:`PREFETCH_BYTES` of a checkpoint
+    with one data file (a single process's save), which every load of it reads; readahead takes over
+    from there. A checkpoint of several ranks is left alone: a rank loading it usually needs only some
+    files, and hints for the others would compete with its reads. A file that cannot be opened is
+    skipped: the read stage reports it.
     """
-    if not manifest.files or not hasattr(os, "posix_fadvise"):
+    if len(manifest.files) != 1 or not hasattr(os, "posix_fadvise"):
         return
-    share = PREFETCH_BYTES // len(manifest.files)
-    for info in manifest.files:
-        try:
-            fd = os.open(directory / info.name, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            # Linux starts at most max(readahead, largest request) bytes per call (8 MiB here, often
-            # far less): steps of 1 MiB are covered whole on common devices.
-            for start in range(0, min(info.nbytes, share), _PREFETCH_STEP):
-                os.posix_fadvise(fd, start, _PREFETCH_STEP, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass  # a hint only: file systems that refuse it read on demand
-        finally:
-            os.close(fd)
+    (info,) = manifest.files
+    try:
+        fd = os.open(directory / info.name, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        # Linux starts at most max(readahead, largest request) bytes per call (8 MiB here, often far
+        # less): steps of 1 MiB are covered whole on common devices.
+        for start in range(0, min(info.nbytes, PREFETCH_BYTES), _PREFETCH_STEP):
+            os.posix_fadvise(fd, start, _PREFETCH_STEP, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # a hint only: file systems that refuse it read on demand
+    finally:
+        os.close(fd)
 
 
 def _release(
