@@ -20,7 +20,7 @@ _EMPTY = memoryview(bytearray(0))
 
 def nbytes_of(t: torch.Tensor) -> int:
     """Bytes of the tensor's elements (not of its storage)."""
-    return t.numel() * t.element_size()
+    return t.nbytes
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

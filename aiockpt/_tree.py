@@ -196,7 +196,7 @@ def shard_of(t: torch.Tensor, path: KeyPath) -> tuple[torch.Tensor, Box]:
 
 def _tie_key(t: torch.Tensor) -> tuple[object, ...]:
     # Same memory, dtype, shape and strides: the very same values, saved once.
-    if t.device.type == "cpu":
+    if t.is_cpu:
         return (t.data_ptr(), t.dtype, t.shape, t.stride())
     return (t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
 

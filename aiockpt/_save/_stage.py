@@ -47,7 +47,7 @@ class Staged:
 
 def _zero_copy(t: torch.Tensor) -> bool:
     # Lazy conjugate/negative views would be written un-applied; they go through a copy instead.
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
             continue
         if not copy and _zero_copy(t):
             sources[i] = byte_view(t)
-        elif n < _SMALL and t.device.type == "cpu":
+        elif n < _SMALL and t.is_cpu:
             small.append(i)
         else:
             large.append(i)
