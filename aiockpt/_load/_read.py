@@ -81,8 +81,12 @@ def prepare(
         entry = manifest.tensors[index]
         target = dest.tensor
         chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
-        whole = chunk is not None and chunk.sizes == entry.shape and not any(chunk.offsets)
-        if dest.offsets is None and whole and chunk is not None:
+        if (
+            chunk is not None
+            and dest.offsets is None
+            and chunk.sizes == entry.shape
+            and not any(chunk.offsets)
+        ):
             # One chunk holds the whole tensor, the common case of a single-process checkpoint, kept to
             # a few operations per tensor. (Without offsets the target's shape is the entry's: matched.)
             view = dest.view
