@@ -23,6 +23,15 @@ def nbytes_of(t: torch.Tensor) -> int:
     return t.nbytes
 
 
+def plain_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory holds its values as they read, so that its bytes can be used directly.
+
+    That is a contiguous CPU tensor that is not a lazy conjugate or negative view (whose bytes would be
+    written, or overwritten, un-applied).
+    """
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable ``memoryview`` (format ``B``) of a contiguous CPU tensor's elements, without a copy.
 

@@ -24,7 +24,7 @@ import torch
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest
 from .._gc import paused
-from .._memory import byte_view
+from .._memory import byte_view, plain_cpu
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
@@ -46,10 +46,6 @@ class _Read:
     tensor: int
     chunk: Chunk
     view: memoryview
-
-
-def _direct(dest: torch.Tensor) -> bool:
-    return dest.is_cpu and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
 
 
 def _overlap(
@@ -90,7 +86,7 @@ def prepare(
             # One chunk holds the whole tensor, the common case of a single-process checkpoint, kept to
             # a few operations per tensor. (Without offsets the target's shape is the entry's: matched.)
             view = dest.view
-            if view is None and _direct(target):
+            if view is None and plain_cpu(target):
                 view = byte_view(target)
             if view is not None:
                 reads.append(_Read(index, chunk, view))
@@ -99,7 +95,7 @@ def prepare(
                 continue
         d_size = tuple(target.shape)
         d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
-        if not _direct(target):
+        if not plain_cpu(target):
             staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype))
             keep.append(staging)
             copies.append(lambda t=target, s=staging: t.copy_(s))  # type: ignore[misc]

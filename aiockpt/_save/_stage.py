@@ -15,7 +15,7 @@ import anyio
 import torch
 
 from .._gc import paused
-from .._memory import Claim, StagingPool, byte_view, nbytes_of
+from .._memory import Claim, StagingPool, byte_view, nbytes_of, plain_cpu
 from .._threads import acquire_sync, dismantle, run_sync
 from .._tree import Flattened, flatten
 
@@ -43,11 +43,6 @@ class Staged:
     buffer: torch.Tensor | None
     nbytes: int
     copied: int
-
-
-def _zero_copy(t: torch.Tensor) -> bool:
-    # Lazy conjugate/negative views would be written un-applied; they go through a copy instead.
-    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -84,7 +79,7 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
         nbytes += n
         if n == 0:
             continue
-        if not copy and _zero_copy(t):
+        if not copy and plain_cpu(t):  # others (GPU, lazy conj/neg views) go through a copy
             sources[i] = byte_view(t)
         elif n < _SMALL and t.is_cpu:
             small.append(i)
