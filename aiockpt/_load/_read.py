@@ -22,7 +22,7 @@ import crc32c
 import torch
 
 from .._errors import CorruptionError, StorageError
-from .._format import Chunk, Manifest
+from .._format import Chunk, Manifest, TensorEntry
 from .._gc import paused
 from .._memory import byte_view, plain_cpu
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
@@ -61,6 +61,63 @@ def _overlap(
     return out
 
 
+def _whole_view(entry: TensorEntry, dest: Destination) -> memoryview | None:
+    """The destination's bytes, if one chunk holds the whole tensor and can be read straight into them.
+
+    The common case of a single-process checkpoint, kept to a few operations per tensor. (Without
+    offsets the target's shape is the entry's: the matcher checked it.)
+    """
+    if len(entry.chunks) != 1 or dest.offsets is not None:
+        return None
+    chunk = entry.chunks[0]
+    if chunk.sizes != entry.shape or any(chunk.offsets):
+        return None
+    if dest.view is not None:
+        return dest.view
+    return byte_view(dest.tensor) if plain_cpu(dest.tensor) else None
+
+
+def _plan_chunks(
+    index: int,
+    entry: TensorEntry,
+    dest: Destination,
+    reads: list[_Read],
+    copies: list[Callable[[], None]],
+    keep: list[torch.Tensor],
+) -> None:
+    """Plan the reads of ``dest`` from every chunk of ``entry`` that overlaps it (see :func:`prepare`)."""
+    target = dest.tensor
+    d_size = tuple(target.shape)
+    d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
+    if not plain_cpu(target):
+        staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype))
+        keep.append(staging)
+        copies.append(lambda t=target, s=staging: t.copy_(s))  # type: ignore[misc]
+        target = staging
+    for chunk in entry.chunks:
+        if chunk.offsets == d_off and chunk.sizes == d_size:
+            reads.append(_Read(index, chunk, byte_view(target)))
+            continue
+        inter = _overlap(chunk.offsets, chunk.sizes, d_off, d_size)
+        if inter is None:
+            continue
+        if (
+            d_size
+            and chunk.offsets[1:] == d_off[1:]
+            and chunk.sizes[1:] == d_size[1:]
+            and (inter[0] == (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]))
+        ):
+            start = chunk.offsets[0] - d_off[0]
+            reads.append(_Read(index, chunk, byte_view(target[start : start + chunk.sizes[0]])))
+            continue
+        buf = torch.empty(chunk.sizes, dtype=target.dtype)
+        keep.append(buf)
+        src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, chunk.offsets, strict=True))
+        dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
+        copies.insert(0, lambda t=target, b=buf, s=src, d=dst: t[d].copy_(b[s]))  # type: ignore[misc]
+        reads.append(_Read(index, chunk, byte_view(buf)))
+
+
 def prepare(
     manifest: Manifest, destinations: dict[int, Destination]
 ) -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor]]:
@@ -75,54 +132,13 @@ def prepare(
     keep: list[torch.Tensor] = []
     for index, dest in destinations.items():
         entry = manifest.tensors[index]
-        target = dest.tensor
-        chunk = entry.chunks[0] if len(entry.chunks) == 1 else None
-        if (
-            chunk is not None
-            and dest.offsets is None
-            and chunk.sizes == entry.shape
-            and not any(chunk.offsets)
-        ):
-            # One chunk holds the whole tensor, the common case of a single-process checkpoint, kept to
-            # a few operations per tensor. (Without offsets the target's shape is the entry's: matched.)
-            view = dest.view
-            if view is None and plain_cpu(target):
-                view = byte_view(target)
-            if view is not None:
-                reads.append(_Read(index, chunk, view))
-                if dest.also:
-                    copies.extend(lambda o=other, t=target: o.copy_(t) for other in dest.also)  # type: ignore[misc]
-                continue
-        d_size = tuple(target.shape)
-        d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
-        if not plain_cpu(target):
-            staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype))
-            keep.append(staging)
-            copies.append(lambda t=target, s=staging: t.copy_(s))  # type: ignore[misc]
-            target = staging
-        for chunk in entry.chunks:
-            if chunk.offsets == d_off and chunk.sizes == d_size:
-                reads.append(_Read(index, chunk, byte_view(target)))
-                continue
-            inter = _overlap(chunk.offsets, chunk.sizes, d_off, d_size)
-            if inter is None:
-                continue
-            if (
-                d_size
-                and chunk.offsets[1:] == d_off[1:]
-                and chunk.sizes[1:] == d_size[1:]
-                and (inter[0] == (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]))
-            ):
-                start = chunk.offsets[0] - d_off[0]
-                reads.append(_Read(index, chunk, byte_view(target[start : start + chunk.sizes[0]])))
-                continue
-            buf = torch.empty(chunk.sizes, dtype=target.dtype)
-            keep.append(buf)
-            src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, chunk.offsets, strict=True))
-            dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
-            copies.insert(0, lambda t=target, b=buf, s=src, d=dst: t[d].copy_(b[s]))  # type: ignore[misc]
-            reads.append(_Read(index, chunk, byte_view(buf)))
-        copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
+        view = _whole_view(entry, dest)
+        if view is not None:
+            reads.append(_Read(index, entry.chunks[0], view))
+        else:
+            _plan_chunks(index, entry, dest, reads, copies, keep)
+        if dest.also:  # tied in the checkpoint, separate in the target: copied once read
+            copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
     return reads, copies, keep
 
 
