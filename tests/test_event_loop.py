@@ -73,3 +73,47 @@ async def test_foreign_sources_and_convert_stay_off_the_event_loop(tmp_path: Pat
         await aiockpt.read(tmp_path / source)
         await aiockpt.load({k: torch.empty_like(v) for k, v in state.items()}, tmp_path / source)
     assert guard == []
+
+
+_FIRST_CALLS = """
+import asyncio, pathlib, sys, threading
+import torch, aiockpt
+
+loop_thread, active, imported = threading.get_ident(), [False], []
+
+def hook(event, args):
+    if event == "import" and active[0] and threading.get_ident() == loop_thread:
+        imported.append(args[0])
+
+sys.addaudithook(hook)
+
+async def main(root):
+    state = {"m": torch.nn.Linear(4, 4), "x": torch.randn(3)}
+    active[0] = True
+    await aiockpt.save(state, root / "a")
+    await (await aiockpt.save(state, root / "b", async_op=True))
+    await aiockpt.load(state, root / "a")
+    await aiockpt.read(root / "b")
+    async with aiockpt.Checkpointer(root / "r", keep_last=1) as ckpt:
+        await ckpt.save(state, step=1)
+        await ckpt.load(state)
+    active[0] = False
+    print(imported)
+
+asyncio.run(main(pathlib.Path(sys.argv[1])))
+"""
+
+
+def test_first_calls_import_nothing_on_the_event_loop(tmp_path: Path) -> None:
+    # A module imported lazily by the first save or load is a stall of that loop (anyio's backend took
+    # 10-90 ms here). Run in a fresh interpreter: this one has imported everything already.
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_CALLS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
