@@ -10,7 +10,7 @@ changes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -99,8 +99,10 @@ class SlicedDecoder(Generic[S]):
 
     ``item`` is the type of one item of the tuple field ``field``. ``deferred`` maps other large fields
     to their types: each is decoded in a call of its own, after offering the GIL, instead of inside the
-    outline's. Errors name a bad item as ``field[i]``, or as ``"{item_name} {i}"`` if given. ``blobs``
-    reads what :func:`encode` ``(blobs=True)`` writes.
+    outline's. ``converted`` maps fields to ``(wire type, convert)``: the outline decodes the field as
+    the wire type and ``convert`` turns that into the field's value (for fields stored in another shape
+    than they have in memory). Errors name a bad item as ``field[i]``, or as ``"{item_name} {i}"`` if
+    given. ``blobs`` reads what :func:`encode` ``(blobs=True)`` writes.
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class SlicedDecoder(Generic[S]):
         item: Any,
         *,
         deferred: Mapping[str, Any] | None = None,
+        converted: Mapping[str, tuple[Any, Callable[[Any], Any]]] | None = None,
         item_name: str | None = None,
         blobs: bool = False,
     ) -> None:
@@ -117,7 +120,9 @@ class SlicedDecoder(Generic[S]):
         self._field = field
         self._blobs = blobs
         deferred = dict(deferred or {})
+        self._converted = {name: convert for name, (_, convert) in (converted or {}).items()}
         raw: dict[str, Any] = dict.fromkeys(deferred, msgspec.Raw)
+        raw.update((name, wire) for name, (wire, _) in (converted or {}).items())
         raw[field] = tuple[bytes, ...] if blobs else tuple[msgspec.Raw, ...]
         self._outline = msgspec.msgpack.Decoder(_outline_of(type_, raw))
         self._deferred = {name: msgspec.msgpack.Decoder(typ) for name, typ in deferred.items()}
@@ -133,7 +138,8 @@ class SlicedDecoder(Generic[S]):
         """Decode and validate ``data``.
 
         Raises:
-            msgspec.ValidationError: ``data`` does not match the type; the message names the item.
+            msgspec.ValidationError: ``data`` does not match the type; the message names the item. A
+                ``converted`` field's function may raise it too.
             msgspec.DecodeError: ``data`` is not valid msgpack.
         """
         outline = self._outline.decode(data)
@@ -141,6 +147,9 @@ class SlicedDecoder(Generic[S]):
         for name, decoder in self._deferred.items():
             yield_gil()
             values[name] = decoder.decode(values[name])
+        for name, convert in self._converted.items():
+            yield_gil()
+            values[name] = convert(values[name])
         items: list[object] = []
         if self._blobs:
             blobs: tuple[bytes, ...] = values[self._field]

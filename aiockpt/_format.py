@@ -7,18 +7,22 @@ damaged manifest, before decoding anything else. Data files hold raw little-endi
 offsets the manifest gives. Nothing is pickled unless the user opted in (:class:`PickleNode`).
 
 Compatibility rule: a new field always gets a default, so version-1 readers of a version-1 file keep
-working, and a change that old readers would misread bumps :data:`FORMAT_VERSION`.
+working, and a change that old readers would misread bumps :data:`FORMAT_VERSION`. Every version ever
+written stays readable: ``aiockpt._body`` encodes the current one and decodes each.
+
+Version 2 changed how the body stores its two large fields (see ``aiockpt._body``): the tree as its
+nodes in preorder (:data:`Record`), and both the tree and the tensor entries as ``bin`` values of one
+slice each. The in-memory :class:`Manifest` is the same for every version.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Annotated, Literal
 
 import msgspec
 
-from ._codec import SlicedDecoder
-
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = "aiockpt"
 MANIFEST_NAME = "manifest.msgpack"
 
@@ -95,6 +99,19 @@ class PickleNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="pickl
 Node = DictNode | ListNode | TupleNode | TensorNode | ValueNode | BytesNode | PickleNode
 
 
+class OpenNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="open"):
+    """Format 2's flat tree: a container whose ``size`` children are the subtrees whose records follow."""
+
+    kind: Literal["dict", "list", "tuple"]
+    size: Annotated[int, msgspec.Meta(ge=0)]
+    origin: str | None = None
+
+
+# One node of a format-2 tree in preorder: its key in the enclosing dict (``None`` in a list or tuple,
+# and for the root), and the node itself, a container's children left out.
+Record = tuple[Key | None, OpenNode | TensorNode | ValueNode | BytesNode | PickleNode]
+
+
 # --- Tensors --------------------------------------------------------------------------------------------
 
 
@@ -159,9 +176,3 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 # Module-level codecs are reused: building a msgspec Decoder is far costlier than using one.
 ENCODER = msgspec.msgpack.Encoder()
 ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
-MANIFEST_DECODER = msgspec.msgpack.Decoder(Manifest)
-# The same, with the tree and the tensor entries decoded in calls of their own and the entries 512 at a
-# time, offering the GIL in between: one decode of a 20,000-tensor manifest holds it 10-20 ms.
-SLICED_MANIFEST_DECODER = SlicedDecoder(
-    Manifest, "tensors", TensorEntry, deferred={"tree": DictNode}, item_name="tensor entry"
-)

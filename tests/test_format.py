@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import aiockpt
+from aiockpt._body import decode_body, encode_body
+from aiockpt._codec import SLICE
 from aiockpt._format import (
     ENCODER,
     ENVELOPE_DECODER,
     FORMAT_VERSION,
-    MANIFEST_DECODER,
     MANIFEST_NAME,
     Envelope,
+    Manifest,
 )
 from aiockpt._load._manifest import decode_manifest
 
@@ -50,6 +52,11 @@ async def test_golden_checkpoints_still_load(version: int) -> None:
 
 def test_golden_of_the_current_version_exists() -> None:
     assert (GOLDEN / f"v{FORMAT_VERSION}" / MANIFEST_NAME).is_file(), "run tests/golden/make_golden.py"
+
+
+def _manifest(path: Path) -> Manifest:
+    env: Envelope = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes())
+    return decode_body(env.body, env.format_version)
 
 
 def _rewrite_envelope(path: Path, **changes: object) -> None:
@@ -95,8 +102,7 @@ async def test_data_is_raw_little_endian_at_aligned_offsets(tmp_path: Path) -> N
     small = torch.tensor([1.5, -2.0], dtype=torch.float64)  # packed at 64-byte alignment
     path = tmp_path / "ckpt"
     await aiockpt.save({"small": small, "big": big, "small2": small + 1}, path)
-    env: Envelope = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes())
-    manifest = MANIFEST_DECODER.decode(env.body)
+    manifest = _manifest(path)
     assert manifest.format_version == FORMAT_VERSION
     data = {f.name: (path / f.name).read_bytes() for f in manifest.files}
     expected = {"small": small, "big": big, "small2": small + 1}
@@ -113,33 +119,48 @@ async def test_user_metadata_and_origin_are_recorded(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     model = torch.nn.Linear(2, 2)
     await aiockpt.save({"model": model}, path, metadata={"run": "abc", "epoch": 3})
-    manifest = MANIFEST_DECODER.decode(ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes()).body)
+    manifest = _manifest(path)
     assert manifest.user_metadata == {"run": "abc", "epoch": 3}
     (node,) = manifest.tree.values
     assert isinstance(node, aiockpt._format.DictNode)
     assert node.origin == "torch.nn.modules.linear.Linear"
 
 
-async def test_a_manifest_decoded_in_slices_equals_the_one_shot_decode(tmp_path: Path) -> None:
+def test_the_format_1_golden_decoded_in_slices_equals_the_one_shot_decode() -> None:
+    env = ENVELOPE_DECODER.decode((GOLDEN / "v1" / MANIFEST_NAME).read_bytes())
+    assert env.format_version == 1
+    assert decode_body(env.body, 1) == msgspec.msgpack.decode(env.body, type=Manifest)
+
+
+async def test_large_fields_are_stored_in_slices_and_decode_back(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     # More entries than one slice, nested containers, and a plain value.
     state = {"m": {f"t{i}": torch.full((2,), float(i)) for i in range(1300)}, "n": 3}
     await aiockpt.save(state, path)
-    body = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes()).body
-    manifest = MANIFEST_DECODER.decode(body)
-    assert decode_manifest((path / MANIFEST_NAME).read_bytes(), "m") == manifest
-    # ... and the save side's sliced encoding wrote exactly what a one-shot encode writes.
-    assert body == ENCODER.encode(manifest)
+    env = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes())
+    outline = msgspec.msgpack.decode(env.body)
+    # Both large fields are arrays of bin values of at most one slice each: no decode call walks more.
+    for field, count in (("tensors", 1300), ("tree", 1 + 1 + 1300 + 1)):
+        blobs = outline[field]
+        assert all(isinstance(b, bytes) for b in blobs)
+        sizes = [len(msgspec.msgpack.decode(b)) for b in blobs]
+        assert sum(sizes) == count
+        assert max(sizes) == SLICE
+    manifest = decode_manifest((path / MANIFEST_NAME).read_bytes(), "m")
+    assert decode_body(encode_body(manifest), FORMAT_VERSION) == manifest
+    assert [aiockpt._tree.render(t.path) for t in manifest.tensors[:2]] == ["m/t0", "m/t1"]
+    tree = await aiockpt.read(path)
+    assert tree["n"] == 3
+    assert torch.equal(tree["m"]["t1299"], torch.full((2,), 1299.0))  # type: ignore[index]
 
 
 async def test_a_malformed_tensor_entry_is_named(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     await aiockpt.save({f"t{i}": torch.zeros(2) for i in range(700)}, path)
-    env = ENVELOPE_DECODER.decode((path / MANIFEST_NAME).read_bytes())
-    manifest = MANIFEST_DECODER.decode(env.body)
+    manifest = _manifest(path)
     entries: list[object] = list(manifest.tensors)
     entries[600] = {"not": "an entry"}
-    body = ENCODER.encode(msgspec.structs.replace(manifest, tensors=tuple(entries)))
+    body = encode_body(msgspec.structs.replace(manifest, tensors=tuple(entries)))
     _rewrite_envelope(path, body=body, body_crc32c=crc32c.crc32c(body))
     with pytest.raises(aiockpt.FormatError, match=r"cannot be decoded.*tensor entry 600"):
         await aiockpt.read(path)

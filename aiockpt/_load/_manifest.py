@@ -8,6 +8,7 @@ from pathlib import Path
 import crc32c
 import msgspec
 
+from .._body import decode_body
 from .._errors import CheckpointNotFoundError, CorruptionError, FormatError
 from .._format import (
     ENVELOPE_DECODER,
@@ -15,7 +16,6 @@ from .._format import (
     MAGIC,
     MANIFEST_NAME,
     PART_RE,
-    SLICED_MANIFEST_DECODER,
     Chunk,
     KeyPath,
     Manifest,
@@ -74,7 +74,7 @@ def decode_manifest(raw: bytes, file: str) -> Manifest:
         raise CorruptionError(f"{file} is damaged: its checksum does not match", file=file)
     try:
         with paused():
-            manifest = SLICED_MANIFEST_DECODER.decode(env.body)
+            manifest = decode_body(env.body, env.format_version)
     except (msgspec.DecodeError, ValueError) as exc:  # invalid UTF-8 surfaces as UnicodeDecodeError
         raise FormatError(f"{file} cannot be decoded: {exc}", file=file) from exc
     if manifest.format_version != env.format_version:

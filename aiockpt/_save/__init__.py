@@ -17,10 +17,11 @@ from typing import Protocol
 
 import anyio
 
+from .._body import decode_body
 from .._codec import SlicedDecoder
 from .._codec import encode as sliced_encode
 from .._errors import CheckpointExistsError, DistributedError, StorageError
-from .._format import ENVELOPE_DECODER, MANIFEST_NAME, SLICED_MANIFEST_DECODER, DictNode, Manifest
+from .._format import ENVELOPE_DECODER, MANIFEST_NAME, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, OwnerLock, remove_tree
 from .._gc import paused
 from .._handle import Metadata, SaveMetrics, SaveState
@@ -127,7 +128,7 @@ def _read_summary(path: Path) -> tuple[Manifest, int, int]:
     """What a non-coordinator rank reports about a checkpoint rank 0 published."""
     raw = (path / MANIFEST_NAME).read_bytes()
     env = ENVELOPE_DECODER.decode(raw)
-    manifest = SLICED_MANIFEST_DECODER.decode(env.body)
+    manifest = decode_body(env.body, env.format_version)
     return manifest, env.body_crc32c, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 

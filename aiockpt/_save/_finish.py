@@ -17,7 +17,7 @@ import anyio
 import crc32c
 import msgspec
 
-from .._codec import encode as sliced_encode
+from .._body import encode_body
 from .._errors import CheckpointExistsError, StorageError
 from .._format import (
     ENCODER,
@@ -71,7 +71,7 @@ def build_manifest(
 
 def encode_manifest(manifest: Manifest) -> tuple[bytes, int]:
     """Encode ``manifest`` inside its checksummed :class:`Envelope`; return the bytes and the body CRC."""
-    body = sliced_encode(manifest, "tensors")
+    body = encode_body(manifest)
     crc = crc32c.crc32c(body)
     return ENCODER.encode(
         Envelope(magic=MAGIC, format_version=FORMAT_VERSION, body_crc32c=crc, body=body)
