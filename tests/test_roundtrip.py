@@ -34,6 +34,8 @@ from conftest import (
 import aiockpt
 from aiockpt import SaveState
 from aiockpt._load import read_manifest
+from aiockpt._runs import group, split
+from aiockpt._save._write import inline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -448,3 +450,30 @@ async def test_checksums_of_thousands_of_tensors_are_each_their_own(
         want = tuple(crc32c.crc32c(raw[i : i + 4096]) for i in range(0, len(raw), 4096))
         assert chunk.checksums == want, entry.path
     assert_tree_equal(await aiockpt.read(ckpt_path), state)
+
+
+async def test_checksums_of_small_and_large_blocks_in_one_save(ckpt_path: Path) -> None:
+    # The writer checksums runs of small blocks itself, a thread of their own those of large ones
+    # (``_write.inline``): this save has both, and a tensor (9 MiB) of several default 4 MiB blocks.
+    state: dict[str, object] = {f"t{i:04d}": torch.full((5,), float(i)) for i in range(3000)}
+    state["one_mib"] = torch.arange(256 * 1024, dtype=torch.float32)
+    state["nine_mib"] = torch.arange(9 * 256 * 1024, dtype=torch.int32)
+    await aiockpt.save(state, ckpt_path)
+    manifest = read_manifest(ckpt_path)
+    block = manifest.checksum_block
+    assert block == 4 << 20
+    for entry in manifest.tensors:
+        (chunk,) = entry.chunks
+        raw = bytes(raw_bytes(tensor_at(state, *entry.path)).numpy().tobytes())
+        want = tuple(crc32c.crc32c(raw[i : i + block]) for i in range(0, len(raw), block))
+        assert chunk.checksums == want, entry.path
+    assert_tree_equal(await aiockpt.read(ckpt_path), state)
+
+
+def test_runs_of_small_blocks_are_checksummed_by_their_writer() -> None:
+    small = group(split(0, memoryview(bytearray(64 << 10)), 0, 4096))
+    large = group(split(0, memoryview(bytearray(8 << 20)), 0, 4 << 20))
+    assert [len(r.pieces) for r in small] == [16]
+    assert [len(r.pieces) for r in large] == [2]
+    assert inline(small[0])
+    assert not inline(large[0])
