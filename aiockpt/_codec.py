@@ -4,8 +4,9 @@ A plan, a write result or a manifest of 20,000 tensors is one msgspec call of 3-
 that holds the GIL all along: the event loop's thread, woken meanwhile, waits for all of it. Here the
 items of one large tuple field are encoded (or decoded) :data:`SLICE` at a time with
 :func:`~aiockpt._threads.yield_gil` between slices, and spliced into (or out of) the enclosing struct as
-raw msgpack. The bytes are exactly those of a one-shot encode, so nothing on disk or on the wire
-changes.
+raw msgpack: the bytes are exactly those of a one-shot encode. Or, with ``blobs``, each slice is stored
+as a msgpack ``bin`` of its own, which a decoder of the enclosing struct skips by its length: the
+encoding of the messages between ranks and, from format version 2 on, of the manifest's tensor entries.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ def encode(obj: msgspec.Struct, field: str, *, blobs: bool = False) -> bytes:
 
     With ``blobs`` the field is written as a list of msgpack ``bin`` values, each one slice's encoded
     items, for :class:`SlicedDecoder` ``(blobs=True)`` only: a decoder skips a ``bin`` by its length,
-    where finding the end of 20,000 inline items means walking each (2-3 ms in one call). For messages
-    between ranks of one job, which all run this code; files keep the plain encoding.
+    where finding the end of 20,000 inline items means walking each (2-3 ms in one call).
     """
     items = getattr(obj, field)
     if blobs:
