@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import islice, repeat
+from operator import itemgetter
 from typing import Literal
 
 import msgspec
@@ -22,20 +23,25 @@ from ._codec import SLICE, SlicedDecoder
 from ._codec import encode as sliced_encode
 from ._format import (
     FORMAT_VERSION,
+    BytesNode,
     DictNode,
     Key,
     ListNode,
     Manifest,
     Node,
     OpenNode,
+    PickleNode,
     Record,
     TensorEntry,
+    TensorNode,
     TupleNode,
+    ValueNode,
 )
 from ._threads import yield_gil
 
 _ENCODER = msgspec.msgpack.Encoder()
 _RECORDS = msgspec.msgpack.Decoder(tuple[Record, ...])
+_LEAVES = frozenset({TensorNode, ValueNode, BytesNode, PickleNode})
 
 
 def tree_records(tree: DictNode) -> Iterator[Record]:
@@ -44,10 +50,9 @@ def tree_records(tree: DictNode) -> Iterator[Record]:
     A container is an :class:`OpenNode` of its kind and size; the records of its children follow it
     (each child's whole subtree before the next child).
     """
-    yield None, OpenNode(kind="dict", size=len(tree.values), origin=tree.origin)
     # One iterator over the (key, child) pairs of each open container: a container of 10^4 children
     # is never copied whole (one C call that would hold the GIL for milliseconds).
-    stack: list[Iterator[tuple[Key | None, Node]]] = [zip(tree.keys, tree.values, strict=True)]
+    stack: list[Iterator[tuple[Key | None, Node]]] = [iter([(None, tree)])]
     while stack:
         entry = next(stack[-1], None)
         if entry is None:
@@ -56,7 +61,12 @@ def tree_records(tree: DictNode) -> Iterator[Record]:
         key, node = entry
         if isinstance(node, DictNode):
             yield key, OpenNode(kind="dict", size=len(node.values), origin=node.origin)
-            stack.append(zip(node.keys, node.values, strict=True))
+            if _LEAVES.issuperset(map(type, node.values)):
+                # Only leaves (a model's or a flat state's dict): their records are the (key, node)
+                # pairs themselves, made in C, with no Python work per child.
+                yield from zip(node.keys, node.values, strict=True)
+            else:
+                stack.append(zip(node.keys, node.values, strict=True))
         elif isinstance(node, ListNode | TupleNode):
             kind: Literal["list", "tuple"] = "list" if isinstance(node, ListNode) else "tuple"
             yield key, OpenNode(kind=kind, size=len(node.items))
@@ -112,7 +122,22 @@ def tree_from_blobs(blobs: tuple[bytes, ...]) -> DictNode:
 
     for blob in blobs:
         yield_gil()
-        for key, record in _RECORDS.decode(blob):
+        records = _RECORDS.decode(blob)
+        top = stack[-1] if stack else None
+        if (
+            top is not None
+            and top.node.kind == "dict"
+            and len(records) < top.node.size - len(top.values)
+            and _LEAVES.issuperset(map(type, map(itemgetter(1), records)))
+            and None not in map(itemgetter(0), records)
+        ):
+            # A slice of leaf entries that the open dict takes whole, leaving it open (the bulk of a
+            # flat state): added as they are, in C, with no Python work per record.
+            top.keys.extend(map(itemgetter(0), records))
+            top.values.extend(map(itemgetter(1), records))
+            index += len(records)
+            continue
+        for key, record in records:
             index += 1
             if root is not None:
                 raise bad("a record follows the complete tree")

@@ -128,6 +128,24 @@ def test_records_that_form_no_tree_are_refused_by_index(
         tree_from_blobs(_blobs(*records))
 
 
+def test_a_bad_record_among_whole_slices_of_leaves_is_found() -> None:
+    # Slices of a dict's leaf entries are taken whole; one without a key must still be named.
+    n = 3 * SLICE
+    records: list[tuple[object, object]] = [(None, OpenNode(kind="dict", size=n))]
+    records += [(f"k{i}", TensorNode(index=i)) for i in range(n)]
+    bad = 1 + SLICE + 10
+    records[bad] = (None, TensorNode(index=0))
+    blobs = tuple(ENCODER.encode(records[i : i + SLICE]) for i in range(0, len(records), SLICE))
+    with pytest.raises(msgspec.ValidationError, match=rf"dict entry has no key.*record {bad}\)"):
+        tree_from_blobs(blobs)
+    records[bad] = ("k", OpenNode(kind="list", size=0))  # a container among them: taken one by one
+    blobs = tuple(ENCODER.encode(records[i : i + SLICE]) for i in range(0, len(records), SLICE))
+    tree = tree_from_blobs(blobs)
+    assert tree.keys[bad - 1] == "k"
+    assert tree.values[bad - 1] == ListNode(items=())
+    assert tree.values[-1] == TensorNode(index=n - 1)
+
+
 def test_a_negative_size_or_unknown_kind_is_refused() -> None:
     for record in ({"type": "open", "kind": "dict", "size": -1}, {"type": "open", "kind": "set", "size": 1}):
         with pytest.raises(msgspec.ValidationError):
