@@ -181,7 +181,13 @@ def encode_body(manifest: Manifest) -> bytes:
 
 # Format 1: the tree decoded in a call of its own, the tensor entries 512 at a time from the raw array
 # (one decode of a 20,000-tensor manifest in one call holds the GIL 10-20 ms).
-_V1 = SlicedDecoder(Manifest, "tensors", TensorEntry, deferred={"tree": DictNode}, item_name="tensor entry")
+_V1 = SlicedDecoder(
+    Manifest,
+    "tensors",
+    TensorEntry,
+    converted={"tree": (msgspec.Raw, msgspec.msgpack.Decoder(DictNode).decode)},
+    item_name="tensor entry",
+)
 _V2 = SlicedDecoder(
     Manifest,
     "tensors",

@@ -97,12 +97,12 @@ def _outline_of(type_: type[msgspec.Struct], raw: Mapping[str, Any]) -> type[msg
 class SlicedDecoder(Generic[S]):
     """Decodes msgpack into ``type_`` like ``msgspec.msgpack.Decoder``, the items of ``field`` in slices.
 
-    ``item`` is the type of one item of the tuple field ``field``. ``deferred`` maps other large fields
-    to their types: each is decoded in a call of its own, after offering the GIL, instead of inside the
-    outline's. ``converted`` maps fields to ``(wire type, convert)``: the outline decodes the field as
-    the wire type and ``convert`` turns that into the field's value (for fields stored in another shape
-    than they have in memory). Errors name a bad item as ``field[i]``, or as ``"{item_name} {i}"`` if
-    given. ``blobs`` reads what :func:`encode` ``(blobs=True)`` writes.
+    ``item`` is the type of one item of the tuple field ``field``. ``converted`` maps other large fields
+    to ``(wire type, convert)``: the outline decodes the field as the wire type (``msgspec.Raw`` leaves
+    it undecoded), and ``convert``, called after offering the GIL, turns that into the field's value (a
+    decoder's ``decode`` for a field decoded in a call of its own; a function for a field stored in
+    another shape than it has in memory). Errors name a bad item as ``field[i]``, or as
+    ``"{item_name} {i}"`` if given. ``blobs`` reads what :func:`encode` ``(blobs=True)`` writes.
     """
 
     def __init__(
@@ -111,7 +111,6 @@ class SlicedDecoder(Generic[S]):
         field: str,
         item: Any,
         *,
-        deferred: Mapping[str, Any] | None = None,
         converted: Mapping[str, tuple[Any, Callable[[Any], Any]]] | None = None,
         item_name: str | None = None,
         blobs: bool = False,
@@ -119,13 +118,10 @@ class SlicedDecoder(Generic[S]):
         self._type = type_
         self._field = field
         self._blobs = blobs
-        deferred = dict(deferred or {})
         self._converted = {name: convert for name, (_, convert) in (converted or {}).items()}
-        raw: dict[str, Any] = dict.fromkeys(deferred, msgspec.Raw)
-        raw.update((name, wire) for name, (wire, _) in (converted or {}).items())
+        raw: dict[str, Any] = {name: wire for name, (wire, _) in (converted or {}).items()}
         raw[field] = tuple[bytes, ...] if blobs else tuple[msgspec.Raw, ...]
         self._outline = msgspec.msgpack.Decoder(_outline_of(type_, raw))
-        self._deferred = {name: msgspec.msgpack.Decoder(typ) for name, typ in deferred.items()}
         self._items = msgspec.msgpack.Decoder(tuple[item, ...])
         self._raws = msgspec.msgpack.Decoder(tuple[msgspec.Raw, ...])
         self._item = msgspec.msgpack.Decoder(item)
@@ -144,9 +140,6 @@ class SlicedDecoder(Generic[S]):
         """
         outline = self._outline.decode(data)
         values = {name: getattr(outline, name) for name in outline.__struct_fields__}
-        for name, decoder in self._deferred.items():
-            yield_gil()
-            values[name] = decoder.decode(values[name])
         for name, convert in self._converted.items():
             yield_gil()
             values[name] = convert(values[name])
