@@ -13,13 +13,13 @@ children follow (:func:`tree_records`); :func:`tree_from_blobs` rebuilds the nes
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import islice, repeat
+from itertools import repeat
 from operator import itemgetter
 from typing import Literal
 
 import msgspec
 
-from ._codec import SLICE, SlicedDecoder
+from ._codec import SlicedDecoder, slice_blobs
 from ._codec import encode as sliced_encode
 from ._format import (
     FORMAT_VERSION,
@@ -39,7 +39,6 @@ from ._format import (
 )
 from ._threads import yield_gil
 
-_ENCODER = msgspec.msgpack.Encoder()
 _RECORDS = msgspec.msgpack.Decoder(tuple[Record, ...])
 _LEAVES = frozenset({TensorNode, ValueNode, BytesNode, PickleNode})
 
@@ -76,13 +75,8 @@ def tree_records(tree: DictNode) -> Iterator[Record]:
 
 
 def tree_blobs(tree: DictNode) -> tuple[bytes, ...]:
-    """``tree``'s records (:func:`tree_records`) encoded :data:`SLICE` at a time, one msgpack array each."""
-    records = tree_records(tree)
-    blobs: list[bytes] = []
-    while batch := list(islice(records, SLICE)):
-        yield_gil()
-        blobs.append(_ENCODER.encode(batch))
-    return tuple(blobs)
+    """``tree``'s records (:func:`tree_records`) encoded a slice at a time (:func:`~._codec.slice_blobs`)."""
+    return slice_blobs(tree_records(tree))
 
 
 class _Open:

@@ -11,7 +11,8 @@ encoding of the messages between ranks and, from format version 2 on, of the man
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import islice
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -42,6 +43,16 @@ def _array_items(encoded: bytes) -> memoryview:
     return memoryview(encoded)[skip:]
 
 
+def slice_blobs(items: Iterable[object]) -> tuple[bytes, ...]:
+    """``items`` encoded :data:`SLICE` at a time, each slice a msgpack array, offering the GIL in between."""
+    it = iter(items)
+    out: list[bytes] = []
+    while batch := list(islice(it, SLICE)):
+        yield_gil()
+        out.append(_ENCODER.encode(batch))
+    return tuple(out)
+
+
 def encode(obj: msgspec.Struct, field: str, *, blobs: bool = False) -> bytes:
     """``msgspec.msgpack.encode(obj)``, with the items of the tuple field ``field`` encoded in slices.
 
@@ -51,12 +62,9 @@ def encode(obj: msgspec.Struct, field: str, *, blobs: bool = False) -> bytes:
     """
     items = getattr(obj, field)
     if blobs:
-        slices: list[bytes] = []
-        for start in range(0, len(items), SLICE):
-            yield_gil()
-            slices.append(_ENCODER.encode(items[start : start + SLICE]))
+        slices = slice_blobs(items)
         yield_gil()
-        return _ENCODER.encode(msgspec.structs.replace(obj, **{field: tuple(slices)}))
+        return _ENCODER.encode(msgspec.structs.replace(obj, **{field: slices}))
     if len(items) <= SLICE:
         return _ENCODER.encode(obj)
     parts: list[bytes | memoryview] = [_array_header(len(items))]
