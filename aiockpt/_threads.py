@@ -180,6 +180,58 @@ async def release(box: list[object], limiter: anyio.CapacityLimiter | None = Non
         await anyio.to_thread.run_sync(partial(dismantle, box), limiter=limiter)
 
 
+def _can_lower(nice: int) -> bool:
+    # Only Linux gives each thread its own nice value; elsewhere os.nice would lower the whole process.
+    return nice > 0 and sys.platform == "linux"
+
+
+def _lowered_thread(target: Callable[[], None], nice: int) -> threading.Thread:
+    """A thread (not started) that lowers its own priority by ``nice``, then runs ``target``.
+
+    A thread of its own, lowered and then gone: an unprivileged process could not raise a pooled thread's
+    priority back.
+    """
+
+    def lowered() -> None:
+        if _can_lower(nice):
+            with contextlib.suppress(OSError):
+                os.nice(nice)
+        target()
+
+    return threading.Thread(target=lowered, name="aiockpt-io", daemon=True)
+
+
+def each_in_thread(works: Sequence[Callable[[], None]]) -> None:
+    """Run each of ``works`` in a thread of its own, all at once, and wait for all of them. Blocking.
+
+    For work split over threads from inside a worker thread (a save's staging copy). The threads run at
+    the lowered priority of the save running in this context, like those of :func:`run_each`; a single
+    work at the caller's priority runs in the calling thread.
+
+    Raises:
+        Exception: The first failure, once every thread has returned.
+    """
+    nice = _worker_nice.get()
+    if len(works) == 1 and not _can_lower(nice):
+        works[0]()
+        return
+    errors: list[BaseException] = []
+
+    def guarded(work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [_lowered_thread(partial(guarded, work), nice) for work in works]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 async def run_workers(
     work: Callable[[threading.Event], None], count: int, limiter: anyio.CapacityLimiter | None = None
 ) -> None:
@@ -218,18 +270,11 @@ async def run_each(
             abort.set()
 
     def niced(work: Callable[[threading.Event], None]) -> None:
-        # A thread of its own, lowered and then gone: a pooled thread could not be raised back.
-        def lowered() -> None:
-            with contextlib.suppress(OSError):
-                os.nice(nice)
-            guarded(work)
-
-        thread = threading.Thread(target=lowered, name="aiockpt-io", daemon=True)
+        thread = _lowered_thread(partial(guarded, work), nice)
         thread.start()
         thread.join()
 
-    # Only Linux gives each thread its own nice value; elsewhere os.nice would lower the whole process.
-    run = niced if nice and sys.platform == "linux" else guarded
+    run = niced if _can_lower(nice) else guarded
 
     async def abort_on_cancel() -> None:
         try:
