@@ -32,8 +32,8 @@ class IOConfig:
     """How checkpoint I/O is carried out.
 
     Attributes:
-        threads: Worker threads that write or read one rank's data at once (checksums are computed on
-            one more thread, beside them). ``None`` (the default) picks one fewer than the CPUs this
+        threads: Worker threads that write or read one rank's data at once, each computing or verifying
+            the checksums of what it moves. ``None`` (the default) picks one fewer than the CPUs this
             process may run on, at least 1 and at most 4: one thread already saturates most local disks,
             and a CPU left free keeps the event loop responsive while the kernel copies pages. More
             help on network file systems.
@@ -58,16 +58,17 @@ class IOConfig:
             cache (just saved) is read from the device again. Files or platforms that refuse
             ``O_DIRECT`` are read through the page cache as usual.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
-            write and checksum a save's bytes is (a ``nice`` increment; Linux only, where each thread
-            has its own; 0 leaves it). They run at full speed on an otherwise idle CPU, but when
-            every CPU is busy the kernel runs the event loop's thread first as soon as it wakes,
-            instead of making it wait for a time slice behind a thread that is copying pages. Loads
-            keep their readers at the caller's priority (lowered, they made fresh reads slower). The
-            price: while other threads or processes of the caller's priority keep every CPU busy
-            (CPU-bound training), a save's writes get a smaller share of the CPU and take longer to
-            become durable; 0 gives them the caller's priority. Each such worker is a thread of its
-            own, started per save and gone after it, because an unprivileged process cannot raise a
-            thread's priority back.
+            copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
+            increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed
+            on an otherwise idle CPU, but when every CPU is busy the kernel runs the event loop's
+            thread first as soon as it wakes, instead of making it wait for a time slice behind a
+            thread that is copying pages. Loads keep their readers at the caller's priority (lowered,
+            they made fresh reads slower). The price: while other threads or processes of the
+            caller's priority keep every CPU busy (CPU-bound training), a save's staging copy and
+            writes get a smaller share of the CPU, so ``async_op=True`` returns later and the save
+            takes longer to become durable; 0 gives them the caller's priority. Each such worker is a
+            thread of its own, started per save and gone after it, because an unprivileged process
+            cannot raise a thread's priority back.
     """
 
     threads: int | None = None

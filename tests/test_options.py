@@ -48,8 +48,8 @@ def test_invalid_settings_are_refused_by_name(name: str, make: Callable[[], IOCo
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
-async def test_checksums_computed_beside_the_writers_verify_on_load(tmp_path: Path, threads: int) -> None:
-    # Many blocks and runs, so that the checksum thread and the writers interleave.
+async def test_checksums_computed_by_several_writers_verify_on_load(tmp_path: Path, threads: int) -> None:
+    # Many blocks and runs, so that the writers interleave.
     gen = torch.Generator().manual_seed(threads)
     state = {f"t{i}": torch.randn(3000 + 17 * i, generator=gen) for i in range(40)}
     io = IOConfig(threads=threads, checksum_block=4096)

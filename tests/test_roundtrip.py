@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
+import sys
 from pathlib import Path
 
 import crc32c
@@ -33,9 +35,9 @@ from conftest import (
 
 import aiockpt
 from aiockpt import SaveState
+from aiockpt._fs import start_writeback
 from aiockpt._load import read_manifest
-from aiockpt._runs import group, split
-from aiockpt._save._write import inline
+from aiockpt._save import _write
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -453,8 +455,7 @@ async def test_checksums_of_thousands_of_tensors_are_each_their_own(
 
 
 async def test_checksums_of_small_and_large_blocks_in_one_save(ckpt_path: Path) -> None:
-    # The writer checksums runs of small blocks itself, a thread of their own those of large ones
-    # (``_write.inline``): this save has both, and a tensor (9 MiB) of several default 4 MiB blocks.
+    # Runs of many small blocks and of large ones, and a tensor (9 MiB) of several default 4 MiB blocks.
     state: dict[str, object] = {f"t{i:04d}": torch.full((5,), float(i)) for i in range(3000)}
     state["one_mib"] = torch.arange(256 * 1024, dtype=torch.float32)
     state["nine_mib"] = torch.arange(9 * 256 * 1024, dtype=torch.int32)
@@ -470,10 +471,40 @@ async def test_checksums_of_small_and_large_blocks_in_one_save(ckpt_path: Path) 
     assert_tree_equal(await aiockpt.read(ckpt_path), state)
 
 
-def test_runs_of_small_blocks_are_checksummed_by_their_writer() -> None:
-    small = group(split(0, memoryview(bytearray(64 << 10)), 0, 4096))
-    large = group(split(0, memoryview(bytearray(8 << 20)), 0, 4 << 20))
-    assert [len(r.pieces) for r in small] == [16]
-    assert [len(r.pieces) for r in large] == [2]
-    assert inline(small[0])
-    assert not inline(large[0])
+async def test_writers_start_the_writeback_of_what_they_wrote(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every 16 MiB a writer has written, it asks the kernel to start writing them to the device.
+    calls: list[tuple[int, int, bool]] = []
+
+    def spy(fd: int, offset: int, nbytes: int) -> bool:
+        taken = start_writeback(fd, offset, nbytes)
+        calls.append((offset, nbytes, taken))
+        return taken
+
+    monkeypatch.setattr(_write, "start_writeback", spy)
+    state = {"big": torch.arange(40 << 18, dtype=torch.float32)}  # 40 MiB: 10 blocks of 4 MiB
+    await aiockpt.save(state, ckpt_path, io=aiockpt.IOConfig(threads=1))
+    (chunk,) = read_manifest(ckpt_path).tensors[0].chunks
+    # Two requests, for the first 16 MiB and the next 16 MiB of the tensor's bytes; the rest is the fsync's.
+    mib16 = 16 << 20
+    assert [(off, n) for off, n, _ in calls] == [(chunk.offset, mib16), (chunk.offset + mib16, mib16)]
+    if sys.platform == "linux":
+        assert all(taken for _, _, taken in calls)
+    assert_tree_equal(await aiockpt.read(ckpt_path), state)
+
+
+def test_start_writeback_is_a_hint_that_says_whether_it_was_taken(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 65536)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert start_writeback(fd, 0, 65536) is (sys.platform == "linux")
+    finally:
+        os.close(fd)
+    read_end, write_end = os.pipe()
+    try:
+        assert start_writeback(read_end, 0, 4096) is False  # a pipe has no pages to write back
+    finally:
+        os.close(read_end)
+        os.close(write_end)
