@@ -2,9 +2,32 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing a range of ``fd``'s dirty pages to the device, without waiting."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def fsync_path(path: Path) -> None:

@@ -3,18 +3,22 @@
 The write and read use plain ``os.pwrite``/``os.preadv`` at disjoint offsets of one file, in large chunks,
 from and into the tensors' own memory: no serialization and no extra copies, which is as fast as Python
 can move these bytes through the page cache on this machine. A checkpoint library is judged against them.
+The write is also measured with the device's writeback started after every chunk (``sync_file_range``),
+which keeps the device busy while later chunks are copied into the page cache.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from benchmarks._fs import drop_cache, fsync_path
+from benchmarks._fs import drop_cache, fsync_path, start_writeback
 
 CHUNK = 16 * 1024 * 1024
 
@@ -56,12 +60,14 @@ def _split(chunks: list[Chunk], parts: int) -> list[list[Chunk]]:
     return out
 
 
-def _pwrite_all(fd: int, chunks: list[Chunk]) -> None:
+def _pwrite_all(fd: int, chunks: list[Chunk], early: bool = False) -> None:
     for offset, buf in chunks:
         pos, rest = offset, buf
         while rest:
             n = os.pwrite(fd, rest, pos)
             pos, rest = pos + n, rest[n:]
+        if early:
+            start_writeback(fd, offset, len(buf))
 
 
 def _preadv_all(fd: int, chunks: list[Chunk]) -> None:
@@ -74,8 +80,7 @@ def _preadv_all(fd: int, chunks: list[Chunk]) -> None:
             pos, rest = pos + n, rest[n:]
 
 
-def _run_parts(fn_parts: list[list[Chunk]], fd: int, write: bool) -> None:
-    fn = _pwrite_all if write else _preadv_all
+def _run_parts(fn_parts: list[list[Chunk]], fd: int, fn: Callable[[int, list[Chunk]], None]) -> None:
     if len(fn_parts) == 1:
         fn(fd, fn_parts[0])
         return
@@ -84,13 +89,14 @@ def _run_parts(fn_parts: list[list[Chunk]], fd: int, write: bool) -> None:
             fut.result()
 
 
-def fsync_write(path: Path, views: list[memoryview], threads: int) -> float:
+def fsync_write(path: Path, views: list[memoryview], threads: int, *, early: bool = False) -> float:
     """Write ``views`` back to back into a new file with ``threads`` writers, then fsync it and its directory.
 
     Args:
         path: File to create (replaced if it exists).
         views: The bytes to write, e.g. from :func:`benchmarks._state.byte_views`.
         threads: Number of writer threads, each taking one contiguous byte range.
+        early: Start the device's writeback of each chunk as soon as it is written.
 
     Returns:
         Elapsed seconds, from open to the directory fsync.
@@ -101,7 +107,7 @@ def fsync_write(path: Path, views: list[memoryview], threads: int) -> float:
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _run_parts(parts, fd, write=True)
+        _run_parts(parts, fd, partial(_pwrite_all, early=early))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -125,7 +131,7 @@ def cold_read(path: Path, views: list[memoryview], threads: int) -> float:
     start = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
-        _run_parts(parts, fd, write=False)
+        _run_parts(parts, fd, _preadv_all)
     finally:
         os.close(fd)
     return time.perf_counter() - start

@@ -17,7 +17,10 @@ class Measurement:
     case: str
     nbytes: int
     seconds: list[float] = field(default_factory=list)
-    staged: list[float] = field(default_factory=list)  # async saves: time until the call returned
+    # Async saves: time until the call returned, of the saves that reused their staging buffers, and of
+    # the first one (which allocated them).
+    staged: list[float] = field(default_factory=list)
+    first_staged: float | None = None
     phases: list[dict[str, float]] = field(default_factory=list)  # aiockpt saves: Metadata.timings
     lag: LagStats | None = None
     note: str = ""
@@ -46,7 +49,7 @@ class Measurement:
 
     @property
     def best_staged(self) -> float:
-        """Fastest time until an async save returned, in seconds (NaN if not an async save)."""
+        """Fastest time until an async save with reused buffers returned, in seconds (NaN if none)."""
         return min(self.staged) if self.staged else float("nan")
 
 
