@@ -121,19 +121,17 @@ def write_runs(runs: deque[Run], fd: int, sums: Checksums, abort: threading.Even
     Raises:
         Aborted: ``abort`` was set (checked between runs).
     """
-    pending = [0, 0, 0]  # bytes written since the last writeback started, and their span
+    pending = start = end = 0  # bytes written since the last writeback started, and their span
 
     def one(run: Run) -> None:
+        nonlocal pending, start, end
         sums.add(run)
         write_run(fd, run)
-        if pending[0]:
-            pending[1], pending[2] = min(pending[1], run.offset), max(pending[2], run.end)
-        else:
-            pending[1], pending[2] = run.offset, run.end
-        pending[0] += run.end - run.offset
-        if pending[0] >= _WRITEBACK_EVERY:
-            start_writeback(fd, pending[1], pending[2] - pending[1])
-            pending[0] = 0
+        start, end = (min(start, run.offset), max(end, run.end)) if pending else (run.offset, run.end)
+        pending += run.end - run.offset
+        if pending >= _WRITEBACK_EVERY:
+            start_writeback(fd, start, end - start)
+            pending = 0
 
     _each_run(runs, abort, one)
 
