@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from types import TracebackType
 
 INTERVAL = 0.001
+# Wakes later than this are kept with their time, to be compared with the machine's own stalls.
+LATE_S = 0.010
+# The separate process records its own wakes later than this.
+_STALL_S = 0.005
+_STALL_SCRIPT = f"""
+import sys, time
+while True:
+    start = time.monotonic()
+    time.sleep({INTERVAL})
+    lag = time.monotonic() - start - {INTERVAL}
+    if lag > {_STALL_S}:
+        sys.stdout.write(f"{{start}} {{lag}}\\n")
+        sys.stdout.flush()
+"""
 
 
 @dataclass(frozen=True)
@@ -57,8 +74,12 @@ class LagMonitor:
     progress when the measured operation returns is recorded too.
     """
 
-    def __init__(self, lags: list[float] | None = None) -> None:
+    def __init__(
+        self, lags: list[float] | None = None, late: list[tuple[float, float]] | None = None
+    ) -> None:
         self.lags: list[float] = [] if lags is None else lags
+        # Wakes over LATE_S late: (time.monotonic() when the sleep began, lag in seconds).
+        self.late: list[tuple[float, float]] = [] if late is None else late
         self.duration_s = 0.0
         self._stop = False
         self._task: asyncio.Task[None] | None = None
@@ -66,13 +87,16 @@ class LagMonitor:
 
     async def _run(self) -> None:
         while not self._stop:
-            start = time.perf_counter()
+            start = time.monotonic()
             await asyncio.sleep(INTERVAL)
-            self.lags.append(max(time.perf_counter() - start - INTERVAL, 0.0))
+            lag = max(time.monotonic() - start - INTERVAL, 0.0)
+            self.lags.append(lag)
+            if lag > LATE_S:
+                self.late.append((start, lag))
 
     async def __aenter__(self) -> LagMonitor:
         self._stop = False
-        self._started = time.perf_counter()
+        self._started = time.monotonic()
         self._task = asyncio.create_task(self._run())
         # Let the task reach its first sleep, so an operation that blocks the loop right away is measured.
         await asyncio.sleep(0)
@@ -87,7 +111,7 @@ class LagMonitor:
         self._stop = True
         if self._task is not None:
             await self._task
-        self.duration_s += time.perf_counter() - self._started
+        self.duration_s += time.monotonic() - self._started
 
     def stats(self) -> LagStats:
         """Summary of the samples recorded so far."""
@@ -99,3 +123,45 @@ async def idle_lag(duration_s: float) -> LagStats:
     async with LagMonitor() as mon:
         await asyncio.sleep(duration_s)
     return mon.stats()
+
+
+class MachineStalls:
+    """A separate process that sleeps 1 ms in a loop and records its own late wakes: the machine's stalls.
+
+    A wake of the event loop that is late while this process's wake is late too was a stall of the whole
+    machine (a VM's CPUs held by its host, say), not of the loop alone. The process shares no GIL, no
+    threads and no memory with the suite. Times are ``time.monotonic()``, the same clock in every process.
+    """
+
+    def __init__(self) -> None:
+        self.stalls: list[tuple[float, float]] = []  # (when the sleep began, lag in seconds)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _STALL_SCRIPT], stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            start, lag = line.split()
+            self.stalls.append((float(start), float(lag)))
+
+    def close(self) -> None:
+        """Stop the process."""
+        self._proc.terminate()
+        self._proc.wait()
+        self._reader.join(timeout=5)
+
+    def shared(self, late: list[tuple[float, float]]) -> int:
+        """How many of ``late`` (from :class:`LagMonitor`) overlap a stall of this process by half or more.
+
+        A wake's late part runs from the end of its 1 ms sleep to its actual end; the same for the stalls.
+        """
+        stalls = sorted((start + INTERVAL, start + INTERVAL + lag) for start, lag in self.stalls)
+        count = 0
+        for start, lag in late:
+            lo, hi = start + INTERVAL, start + INTERVAL + lag
+            overlap = sum(max(0.0, min(hi, b) - max(lo, a)) for a, b in stalls if a < hi and b > lo)
+            count += overlap >= lag / 2
+        return count

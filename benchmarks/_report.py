@@ -228,10 +228,12 @@ def _lag_table(res: Results) -> str:
             _fmt(row.stats.p50_ms, 3),
             _fmt(row.stats.p99_ms, 3),
             _fmt(row.stats.max_ms, 1),
+            "" if row.late is None else f"{row.late} ({row.shared})",
         ]
         for row in res.lags
     ]
-    return table(["scenario", "seconds", "samples", "p50 ms", "p99 ms", "max ms"], rows)
+    header = ["scenario", "seconds", "samples", "p50 ms", "p99 ms", "max ms", "> 10 ms (machine)"]
+    return table(header, rows)
 
 
 def _checks_table(res: Results) -> str:

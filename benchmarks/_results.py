@@ -55,11 +55,17 @@ class Measurement:
 
 @dataclass
 class LagRow:
-    """Loop-lag statistics of one scenario (idle, a thread doing I/O, a library call)."""
+    """Loop-lag statistics of one scenario (idle, a thread doing I/O, a library call).
+
+    ``late``: wakes over 10 ms late; ``shared``: of them, those during which a separate process's wakes
+    were late too (stalls of the whole machine). ``None`` where not counted.
+    """
 
     state: str
     case: str
     stats: LagStats
+    late: int | None = None
+    shared: int | None = None
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from benchmarks import _aio, _baselines, _limits
 from benchmarks._fs import drop_cache, remove
-from benchmarks._lag import LagMonitor, idle_lag, summarize
+from benchmarks._lag import LagMonitor, LagStats, MachineStalls, idle_lag, summarize
 from benchmarks._results import LagRow, Measurement, Results
 from benchmarks._state import State, byte_views, same_tensors, state_nbytes, touch_pages, zero_
 
@@ -125,9 +125,11 @@ class Case:
     requires: Case | None = None
     lag_name: str | None = None
     lags: list[float] = field(default_factory=list)
+    late: list[tuple[float, float]] = field(default_factory=list)
     lag_wall: float = 0.0
     first_lag_name: str | None = None
     first_lags: list[float] = field(default_factory=list)
+    first_late: list[tuple[float, float]] = field(default_factory=list)
     first_wall: float = 0.0
     runs: int = 0
     failed: bool = False
@@ -174,6 +176,7 @@ class Suite:
         self.results = results
         self.loop = asyncio.new_event_loop()
         self.closers: list[Callable[[], Awaitable[None]]] = []
+        self.stalls = MachineStalls()
 
     def close(self) -> None:
         """Close what the cases opened, then shut the event loop down."""
@@ -181,6 +184,7 @@ class Suite:
             self.loop.run_until_complete(closer())
         self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
+        self.stalls.close()
 
     # -- running -----------------------------------------------------------------------------------------
 
@@ -198,10 +202,10 @@ class Suite:
         try:
             if case.coro is not None:
                 make = case.coro
-                lags = case.first_lags if first else case.lags
+                lags, late = (case.first_lags, case.first_late) if first else (case.lags, case.late)
 
                 async def body() -> tuple[Outcome, float]:
-                    async with LagMonitor(lags) as mon:
+                    async with LagMonitor(lags, late) as mon:
                         out = await make()
                     return out, mon.duration_s
 
@@ -252,10 +256,14 @@ class Suite:
                 continue
             if case.first_lag_name is not None and case.first_lags:
                 stats = summarize(case.first_lags, case.first_wall)
-                self.results.lags.append(LagRow(case.m.state, case.first_lag_name, stats))
+                self._lag_row(case.m.state, case.first_lag_name, stats, case.first_late)
             if case.lags:
                 case.m.lag = summarize(case.lags, case.lag_wall)
-                self.results.lags.append(LagRow(case.m.state, case.lag_name or case.m.case, case.m.lag))
+                self._lag_row(case.m.state, case.lag_name or case.m.case, case.m.lag, case.late)
+
+    def _lag_row(self, state: str, name: str, stats: LagStats, late: list[tuple[float, float]]) -> None:
+        row = LagRow(state, name, stats, late=len(late), shared=self.stalls.shared(late))
+        self.results.lags.append(row)
 
     # -- building the cases ------------------------------------------------------------------------------
 
