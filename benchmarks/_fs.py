@@ -25,7 +25,10 @@ _sync_file_range = _libc_sync_file_range()
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Have the kernel start writing a range of ``fd``'s dirty pages to the device, without waiting."""
+    """Have the kernel start writing a range of ``fd``'s dirty pages to the device, without waiting.
+
+    The same call as ``aiockpt._fs.start_writeback``, kept apart: the suite runs without aiockpt too.
+    """
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 

@@ -71,17 +71,15 @@ def summarize(lags_s: list[float], duration_s: float) -> LagStats:
 class LagMonitor:
     """Async context manager running a task that sleeps 1 ms in a loop and records each sleep's lag.
 
-    Samples accumulate into :attr:`lags` (seconds), which may be shared across several monitors (one per
-    repeat) to pool them. On exit the monitor lets its current sleep finish, so a stall that is still in
-    progress when the measured operation returns is recorded too.
+    Samples accumulate into :attr:`lags` (seconds) and :attr:`duration_s`; entering the same monitor
+    again (once per repeat) pools them. On exit the monitor lets its current sleep finish, so a stall
+    that is still in progress when the measured operation returns is recorded too.
     """
 
-    def __init__(
-        self, lags: list[float] | None = None, late: list[tuple[float, float]] | None = None
-    ) -> None:
-        self.lags: list[float] = [] if lags is None else lags
+    def __init__(self) -> None:
+        self.lags: list[float] = []
         # Wakes over LATE_S late: (time.monotonic() when the sleep began, lag in seconds).
-        self.late: list[tuple[float, float]] = [] if late is None else late
+        self.late: list[tuple[float, float]] = []
         self.duration_s = 0.0
         self._stop = False
         self._task: asyncio.Task[None] | None = None

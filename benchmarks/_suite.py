@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from benchmarks import _aio, _baselines, _limits
 from benchmarks._fs import drop_cache, remove
-from benchmarks._lag import LagMonitor, LagStats, MachineStalls, idle_lag, summarize
+from benchmarks._lag import LagMonitor, MachineStalls, idle_lag
 from benchmarks._results import LagRow, Measurement, Results
 from benchmarks._state import State, byte_views, same_tensors, state_nbytes, touch_pages, zero_
 
@@ -103,7 +103,6 @@ class Outcome:
     staged: float | None = None
     tree: Mapping[str, object] | None = None
     phases: Mapping[str, float] | None = None
-    first: bool = False  # an async save that allocated its staging buffers (the Checkpointer's first)
 
 
 @dataclass
@@ -114,7 +113,7 @@ class Case:
     set. ``prepare`` runs untimed before each repeat. ``requires`` names a case (the saver whose output a
     loader reads) that must have succeeded. ``first_lag_name``: the lag of the first repeat is reported
     apart, under this name (an async save's first repeat allocates its staging buffers, the others
-    reuse them).
+    reuse them), and so is its ``staged`` time. One monitor per stream pools the lag of its repeats.
     """
 
     m: Measurement
@@ -124,13 +123,9 @@ class Case:
     expected: State | None = None
     requires: Case | None = None
     lag_name: str | None = None
-    lags: list[float] = field(default_factory=list)
-    late: list[tuple[float, float]] = field(default_factory=list)
-    lag_wall: float = 0.0
+    lag: LagMonitor = field(default_factory=LagMonitor)
     first_lag_name: str | None = None
-    first_lags: list[float] = field(default_factory=list)
-    first_late: list[tuple[float, float]] = field(default_factory=list)
-    first_wall: float = 0.0
+    first_lag: LagMonitor = field(default_factory=LagMonitor)
     runs: int = 0
     failed: bool = False
 
@@ -201,19 +196,13 @@ class Suite:
         case.runs += 1
         try:
             if case.coro is not None:
-                make = case.coro
-                lags, late = (case.first_lags, case.first_late) if first else (case.lags, case.late)
+                make, monitor = case.coro, case.first_lag if first else case.lag
 
-                async def body() -> tuple[Outcome, float]:
-                    async with LagMonitor(lags, late) as mon:
-                        out = await make()
-                    return out, mon.duration_s
+                async def body() -> Outcome:
+                    async with monitor:
+                        return await make()
 
-                out, wall = self.loop.run_until_complete(body())
-                if first:
-                    case.first_wall += wall
-                else:
-                    case.lag_wall += wall
+                out = self.loop.run_until_complete(body())
             else:
                 assert case.sync is not None
                 out = case.sync()
@@ -231,7 +220,7 @@ class Suite:
                 self.results.failures.append(f"{m.case} [state {m.state}]: {m.note}")
                 _log(f"{m.case}: {m.note}")
         m.seconds.append(out.seconds)
-        if out.staged is not None and out.first:
+        if out.staged is not None and first:
             m.first_staged = out.staged
             m.note = m.note or f"first save returned after {out.staged:.3f} s"
         elif out.staged is not None:
@@ -254,15 +243,15 @@ class Suite:
         for case in cases:
             if case.coro is None or not case.m.seconds:
                 continue
-            if case.first_lag_name is not None and case.first_lags:
-                stats = summarize(case.first_lags, case.first_wall)
-                self._lag_row(case.m.state, case.first_lag_name, stats, case.first_late)
-            if case.lags:
-                case.m.lag = summarize(case.lags, case.lag_wall)
-                self._lag_row(case.m.state, case.lag_name or case.m.case, case.m.lag, case.late)
+            if case.first_lag_name is not None and case.first_lag.lags:
+                self._lag_row(case.m.state, case.first_lag_name, case.first_lag)
+            if case.lag.lags:
+                case.m.lag = case.lag.stats()
+                self._lag_row(case.m.state, case.lag_name or case.m.case, case.lag)
 
-    def _lag_row(self, state: str, name: str, stats: LagStats, late: list[tuple[float, float]]) -> None:
-        row = LagRow(state, name, stats, late=len(late), shared=self.stalls.shared(late))
+    def _lag_row(self, state: str, name: str, monitor: LagMonitor) -> None:
+        late = monitor.late
+        row = LagRow(state, name, monitor.stats(), late=len(late), shared=self.stalls.shared(late))
         self.results.lags.append(row)
 
     # -- building the cases ------------------------------------------------------------------------------
@@ -389,9 +378,8 @@ class Suite:
         self.closers.append(saver_async.close)
 
         async def save_async() -> Outcome:
-            first = saver_async.ckpt is None
             staged, durable, phases = await saver_async.save(state)
-            return Outcome(durable, staged=staged, phases=phases, first=first)
+            return Outcome(durable, staged=staged, phases=phases)
 
         async def load() -> Outcome:
             return Outcome(await _aio.load(aio, template, path), tree=template)
