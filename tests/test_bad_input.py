@@ -30,6 +30,7 @@ from aiockpt import (
     SaveState,
     StateError,
 )
+from aiockpt._save import _read_summary
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -307,6 +308,18 @@ async def test_manifest_with_trailing_garbage_is_a_format_error(ckpt_path: Path)
     append_bytes(ckpt_path / MANIFEST, b"\x00junk")
     with pytest.raises(FormatError, match=MANIFEST):
         await aiockpt.read(ckpt_path)
+
+
+async def test_a_rank_reading_back_a_published_manifest_checks_it_as_a_load_does(ckpt_path: Path) -> None:
+    # A rank other than 0 learns the committed manifest by reading the file rank 0 published.
+    await saved(ckpt_path)
+    manifest, _, nbytes = _read_summary(ckpt_path)
+    assert nbytes == 4096 * 4
+    assert [e.shape for e in manifest.tensors] == [(4096,)]
+    raw = read_bytes(ckpt_path / MANIFEST)
+    flip_byte(ckpt_path / MANIFEST, len(raw) - 3)  # in the body: only its checksum tells
+    with pytest.raises(CorruptionError, match=MANIFEST):
+        _read_summary(ckpt_path)
 
 
 # --- Bad state ------------------------------------------------------------------------------------------

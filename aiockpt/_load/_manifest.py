@@ -86,6 +86,21 @@ def decode_manifest(raw: bytes, file: str) -> Manifest:
     return manifest
 
 
+def decode_summary(raw: bytes, file: str) -> tuple[Manifest, int, int]:
+    """What a rank that did not commit a save reports of it: the manifest it reads back, decoded.
+
+    Returns:
+        The manifest, the checksum of its body and the bytes of tensor data it describes.
+
+    Raises:
+        FormatError: As :func:`decode_manifest`.
+        CorruptionError: As :func:`decode_manifest`.
+    """
+    manifest = decode_manifest(raw, file)
+    crc = ENVELOPE_DECODER.decode(raw).body_crc32c
+    return manifest, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
+
+
 def published_parts(path: Path) -> tuple[int, list[Path]] | None:
     """The published parts of a collective-free checkpoint: ``(world size, part dirs)``, or ``None``."""
     try:

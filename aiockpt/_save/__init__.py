@@ -17,14 +17,14 @@ from typing import Protocol
 
 import anyio
 
-from .._body import decode_body
 from .._codec import SlicedDecoder
 from .._codec import encode as sliced_encode
 from .._errors import CheckpointExistsError, DistributedError, StorageError
-from .._format import ENVELOPE_DECODER, MANIFEST_NAME, DictNode, Manifest
+from .._format import MANIFEST_NAME, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, OwnerLock, remove_tree
 from .._gc import paused
 from .._handle import Metadata, SaveMetrics, SaveState
+from .._load._manifest import decode_summary
 from .._memory import StagingPool
 from .._options import IOConfig
 from .._storage import Location, S3Path
@@ -125,11 +125,9 @@ async def _give_back(pool: StagingPool, staged: Staged, limiter: anyio.CapacityL
 
 
 def _read_summary(path: Path) -> tuple[Manifest, int, int]:
-    """What a non-coordinator rank reports about a checkpoint rank 0 published."""
-    raw = (path / MANIFEST_NAME).read_bytes()
-    env = ENVELOPE_DECODER.decode(raw)
-    manifest = decode_body(env.body, env.format_version)
-    return manifest, env.body_crc32c, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
+    """What a non-coordinator rank reports about a checkpoint rank 0 published (checked as a load would)."""
+    file = path / MANIFEST_NAME
+    return decode_summary(file.read_bytes(), str(file))
 
 
 def _open_tmp(path: Path) -> tuple[Path, OwnerLock]:

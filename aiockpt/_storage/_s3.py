@@ -24,8 +24,8 @@ from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import S3Store
 
 from .._errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
-from .._format import ENVELOPE_DECODER, MANIFEST_NAME, Manifest
-from .._load._manifest import decode_manifest
+from .._format import MANIFEST_NAME, Manifest
+from .._load._manifest import decode_manifest, decode_summary
 from .._threads import run_sync
 from . import S3Options, S3Path
 
@@ -182,12 +182,6 @@ async def read_manifest(path: S3Path) -> Manifest:
     return await run_sync(lambda: decode_manifest(raw, url(path, MANIFEST_NAME)))
 
 
-def _summary(raw: bytes, file: str) -> tuple[Manifest, int, int]:
-    manifest = decode_manifest(raw, file)
-    crc = ENVELOPE_DECODER.decode(raw).body_crc32c
-    return manifest, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
-
-
 # --- Saving ----------------------------------------------------------------------------------------------
 
 
@@ -272,7 +266,7 @@ class S3Target:
         raw = await get(self.path, MANIFEST_NAME)
         if raw is None:
             raise CheckpointNotFoundError(f"{self.path} has no {MANIFEST_NAME} after its commit")
-        return await run_sync(lambda: _summary(raw, url(self.path, MANIFEST_NAME)), self.limiter)
+        return await run_sync(lambda: decode_summary(raw, url(self.path, MANIFEST_NAME)), self.limiter)
 
 
 # --- Checkpointer roots ----------------------------------------------------------------------------------
