@@ -244,21 +244,25 @@ async def run_workers(
 
 
 async def run_each(
-    works: Sequence[Callable[[threading.Event], None]], limiter: anyio.CapacityLimiter | None = None
+    works: Sequence[Callable[[threading.Event], None]],
+    limiter: anyio.CapacityLimiter | None = None,
+    *,
+    lower: bool = True,
 ) -> None:
     """Run each of ``works`` as ``work(abort)`` in a thread of its own, all at once, and wait for all.
 
     Every work must return soon after ``abort`` is set. The first exception raised by a worker sets
     ``abort`` and is re-raised here once every worker has returned (an :class:`Aborted` of a sibling is
     dropped). Inside ``responsive(io, lowered=True)`` with an ``io.worker_nice`` above 0, on Linux, each
-    work runs in a new thread of that lower priority, which the pooled thread waits for.
+    work runs in a new thread of that lower priority, which the pooled thread waits for; ``lower=False``
+    keeps them at the caller's even there.
 
     Raises:
         Exception: The first worker failure.
     """
     abort = threading.Event()
     errors: list[BaseException] = []
-    nice = _worker_nice.get()
+    nice = _worker_nice.get() if lower else 0
 
     def guarded(work: Callable[[threading.Event], None]) -> None:
         try:

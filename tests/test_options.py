@@ -15,6 +15,7 @@ import torch
 import aiockpt
 from aiockpt import CheckpointError, IOConfig, StorageError, _options
 from aiockpt._runs import Run, write_run
+from aiockpt._save import _write
 from aiockpt._threads import Aborted, responsive, run_each, short_switches
 
 
@@ -168,7 +169,9 @@ async def test_workers_run_at_the_lower_priority_in_threads_of_their_own(nice: i
     with responsive(IOConfig(worker_nice=nice)):  # a load: readers keep the caller's priority
         await run_each([work])
     await run_each([work])  # outside a save or load: the caller's priority
-    assert [n for _, n, _ in seen] == [min(caller + nice, 19)] * 2 + [caller] * 2
+    with responsive(IOConfig(worker_nice=nice), lowered=True):  # a save whose work holds the GIL
+        await run_each([work], lower=False)
+    assert [n for _, n, _ in seen] == [min(caller + nice, 19)] * 2 + [caller] * 3
     if nice:
         assert [name for _, _, name in seen[:2]] == ["aiockpt-io"] * 2
         assert len({tid for tid, _, _ in seen[:2]}) == 2
@@ -176,3 +179,29 @@ async def test_workers_run_at_the_lower_priority_in_threads_of_their_own(nice: i
     for _ in range(4):
         await anyio.to_thread.run_sync(pooled_nice)
     assert set(pooled) == {caller}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="only Linux gives each thread its own nice value")
+@pytest.mark.parametrize(
+    ("state", "lowered"),
+    [
+        ({"w": torch.zeros(1 << 18)}, True),  # 1 MiB: the writer's time goes to the kernel's copy
+        ({f"t{i}": torch.zeros(16) for i in range(300)}, False),  # 300 blocks of 64 B: to GIL-bound calls
+        ({"w": torch.zeros(1 << 18), **{f"t{i}": torch.zeros(16) for i in range(300)}}, False),
+    ],
+    ids=["large", "small", "mostly_small_blocks"],
+)
+async def test_writers_are_lowered_only_where_blocks_are_large(
+    state: dict[str, object], lowered: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int] = []
+    write_runs = _write.write_runs
+
+    def spy(*args: object) -> None:
+        seen.append(_nice())
+        write_runs(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_write, "write_runs", spy)
+    caller = _nice()
+    await aiockpt.save(state, tmp_path / "ckpt", io=IOConfig(worker_nice=7, threads=1))
+    assert seen == [min(caller + 7, 19) if lowered else caller]
