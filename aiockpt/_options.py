@@ -62,7 +62,9 @@ class IOConfig:
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed
             on an otherwise idle CPU, but when every CPU is busy the kernel runs the event loop's
             thread first as soon as it wakes, instead of making it wait for a time slice behind a
-            thread that is copying pages. Loads keep their readers at the caller's priority (lowered,
+            thread that is copying pages. Writers of a save whose blocks average under 64 KiB keep the
+            caller's priority: their time goes to calls that hold the GIL, and lowered, they kept the
+            event loop waiting for it. Loads keep their readers at the caller's priority (lowered,
             they made fresh reads slower). The price: while other threads or processes of the
             caller's priority keep every CPU busy (CPU-bound training), a save's staging copy and
             writes get a smaller share of the CPU, so ``async_op=True`` returns later and the save

@@ -68,9 +68,8 @@ _WRITEBACK_EVERY = 16 << 20
 # this many bytes. Then their time goes to the kernel's copy into the page cache, done without the GIL,
 # which a lowered thread yields to the event loop's thread. With smaller blocks it goes to per-block
 # Python and C calls that hold the GIL, and a lowered writer descheduled while holding it keeps the event
-# loop waiting longer: 20,000 tensors of 4 KiB, 10 durable saves per process, 6 processes alternating
-# lowered and not: 14-26 late wakes of the loop over 2 ms during the writes (worst 4.6-6.6 ms) lowered,
-# 5-12 (worst 3.4-4.7 ms) not.
+# loop waiting longer: 20,000 tensors of 4 KiB, 10 durable saves per process, 3 pairs of processes
+# alternating: 14-21 late wakes of the loop over 2 ms during the writes lowered, 7-9 not.
 _LOWER_FROM = 64 << 10
 
 
