@@ -56,6 +56,11 @@ def decode_manifest(raw: bytes, file: str) -> Manifest:
         FormatError: The bytes are not an aiockpt manifest or have a newer format version.
         CorruptionError: The manifest's checksum does not match.
     """
+    return _decode(raw, file)[0]
+
+
+def _decode(raw: bytes, file: str) -> tuple[Manifest, int]:
+    """:func:`decode_manifest`, also returning the checksum of the manifest's body."""
     try:
         env = ENVELOPE_DECODER.decode(raw)
     except (msgspec.DecodeError, ValueError) as exc:  # invalid UTF-8 surfaces as UnicodeDecodeError
@@ -83,7 +88,7 @@ def decode_manifest(raw: bytes, file: str) -> Manifest:
             f"the manifest {manifest.format_version}",
             file=file,
         )
-    return manifest
+    return manifest, env.body_crc32c
 
 
 def decode_summary(raw: bytes, file: str) -> tuple[Manifest, int, int]:
@@ -96,8 +101,7 @@ def decode_summary(raw: bytes, file: str) -> tuple[Manifest, int, int]:
         FormatError: As :func:`decode_manifest`.
         CorruptionError: As :func:`decode_manifest`.
     """
-    manifest = decode_manifest(raw, file)
-    crc = ENVELOPE_DECODER.decode(raw).body_crc32c
+    manifest, crc = _decode(raw, file)
     return manifest, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
