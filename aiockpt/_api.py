@@ -194,7 +194,8 @@ async def read(
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint.
-        FormatError: The manifest is unreadable or from a newer format.
+        FormatError: The manifest is unreadable or from a newer format, or a tensor's dtype is unknown
+            to this torch (names the key).
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateError: A pickled object is stored and ``allow_pickle`` is false.
     """

@@ -154,6 +154,25 @@ async def test_large_fields_are_stored_in_slices_and_decode_back(tmp_path: Path)
     assert torch.equal(tree["m"]["t1299"], torch.full((2,), 1299.0))  # type: ignore[index]
 
 
+async def test_a_dtype_this_torch_lacks_is_named_by_read_and_load(tmp_path: Path) -> None:
+    # A checkpoint from a newer torch may hold a dtype this one lacks: read must not hand back None.
+    path = tmp_path / "ckpt"
+    await aiockpt.save({"a": torch.ones(3), "b": {"c": torch.ones(2)}}, path)
+    manifest = _manifest(path)
+    entries = [
+        msgspec.structs.replace(e, dtype="float3_e1m1") if aiockpt._tree.render(e.path) == "b/c" else e
+        for e in manifest.tensors
+    ]
+    body = encode_body(msgspec.structs.replace(manifest, tensors=tuple(entries)))
+    _rewrite_envelope(path, body=body, body_crc32c=crc32c.crc32c(body))
+    with pytest.raises(aiockpt.FormatError, match=r"b/c: dtype float3_e1m1 is unknown to this torch"):
+        await aiockpt.read(path)
+    target: dict[str, object] = {"a": torch.zeros(3), "b": {"c": torch.zeros(2)}}
+    with pytest.raises(aiockpt.StateMismatchError, match=r"b/c: the target is .*the checkpoint float3_e1m1"):
+        await aiockpt.load(target, path)
+    assert torch.equal(target["a"], torch.zeros(3))  # type: ignore[arg-type]
+
+
 async def test_a_malformed_tensor_entry_is_named(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     await aiockpt.save({f"t{i}": torch.zeros(2) for i in range(700)}, path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -337,6 +338,27 @@ async def test_read_builds_separate_contiguous_tensors_of_every_shape(ckpt_path:
     tensor_at(got, "mat").fill_(-1)
     for key in ("scalar", "vec2", "cube", "large"):
         assert torch.equal(tensor_at(got, key), before[key]), f"writing to neighbours changed {key}"
+
+
+async def test_read_cuts_many_tensors_of_one_shape_apart(ckpt_path: Path) -> None:
+    # 1200 of one shape take several batches of one view call each; 300 of 60 KiB fill more than one
+    # slab. Ties and tensors inside lists come back as they were saved.
+    state: dict[str, object] = {f"s{i}": torch.full((3, 5), float(i)) for i in range(1200)}
+    state |= {f"w{i}": torch.full((15360,), float(i)) for i in range(300)}
+    state["odd"] = [torch.arange(7, dtype=torch.int16), (torch.tensor(True),)]
+    state["tied"] = state["s7"]
+    await aiockpt.save(state, ckpt_path)
+    got = await aiockpt.read(ckpt_path)
+    assert_tree_equal(got, state)
+    assert got["tied"] is got["s7"]
+    unique = {id(t): t for t in tensors_in(got)}.values()
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in unique)
+    assert all(end <= start for (_, end), (start, _) in pairwise(spans)), "overlap"
+    assert all(start % 64 == 0 for start, _ in spans)
+    assert all(t.is_contiguous() and t.stride() == torch.empty(t.shape).stride() for t in unique)
+    tensor_at(got, "s3").fill_(-1)
+    assert torch.equal(tensor_at(got, "s4"), state["s4"])  # type: ignore[arg-type]
+    assert torch.equal(tensor_at(got, "s2"), state["s2"])  # type: ignore[arg-type]
 
 
 async def test_in_place_load_into_tensors_that_share_nothing_but_shape(ckpt_path: Path) -> None:

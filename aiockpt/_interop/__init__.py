@@ -16,7 +16,7 @@ from typing import Literal
 import anyio
 
 from .._format import Key
-from .._load import assign, hand_over, settle
+from .._load import assign, hand_over, readable, settle
 from .._load._match import match
 from .._options import IOConfig
 from .._threads import acquire_sync, responsive, run_sync
@@ -102,6 +102,7 @@ async def read_foreign(
         source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
         try:
             plan = await run_sync(lambda: match(source.manifest, None, allow_pickle=allow_pickle), limiter)
+            readable(plan, path)
             await source.fill(source.manifest, plan.destinations, threads=io.thread_count, limiter=limiter)
             return plan.result
         finally:

@@ -15,7 +15,7 @@ from typing import cast
 import anyio
 import torch
 
-from .._errors import StateError, StateMismatchError, StateMismatchWarning
+from .._errors import FormatError, StateError, StateMismatchError, StateMismatchWarning
 from .._format import Key, Manifest
 from .._options import IOConfig
 from .._storage import Location, S3Path
@@ -31,6 +31,7 @@ __all__ = [
     "is_checkpoint",
     "published_parts",
     "read_manifest",
+    "readable",
     "run_load",
     "run_read",
     "settle",
@@ -111,6 +112,16 @@ def settle(plan: LoadPlan, where: object, *, strict: bool, stacklevel: int = 4) 
         )
 
 
+def readable(plan: LoadPlan, where: object) -> None:
+    """Refuse a fresh read of a checkpoint that holds what this torch cannot build (a dtype it lacks).
+
+    Raises:
+        FormatError: The plan lists differences, naming each key.
+    """
+    if plan.differences:
+        raise FormatError(f"cannot read {where}: " + "; ".join(plan.differences), file=str(where))
+
+
 def assign(plan: LoadPlan) -> None:
     """Put the entries the template lacked (built from the checkpoint) into their containers."""
     for container, key, value in plan.assign:
@@ -164,6 +175,7 @@ async def _read_fresh(
 ) -> dict[Key, object]:
     manifest = await _manifest(path, io, limiter)
     plan = await run_sync(partial(match, manifest, None, allow_pickle=allow_pickle), limiter)
+    readable(plan, path)
     await _fill(path, manifest, plan, io, limiter)
     result = plan.result
     box: list[object] = [manifest, plan]  # as in _load; ``result`` stays alive through its own name
