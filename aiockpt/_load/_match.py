@@ -358,8 +358,9 @@ class _Slabs:
         numel = math.prod(shape)
         if not numel or numel * size >= self.SMALL:
             return torch.empty(shape, dtype=dtype), None
-        slab, raw, used = self._room(dtype, self._padded(numel, size))
-        self.slabs[dtype] = (slab, raw, used + self._padded(numel, size))
+        need = self._padded(numel, size)
+        slab, raw, used = self._room(dtype, need)
+        self.slabs[dtype] = (slab, raw, used + need)
         # as_strided makes the view in one call (slicing and reshaping takes two, at twice the cost).
         return slab.as_strided(shape, self._strides(shape), used), raw[used * size : (used + numel) * size]
 
@@ -368,9 +369,10 @@ class _Slabs:
     ) -> Iterator[tuple[int, torch.Tensor, memoryview]]:
         """Small tensors for many items at once: ``wanted`` maps (dtype, shape) to the items' ids.
 
-        Tensors of one dtype and shape are cut from a slab side by side and made by a single ``unbind``
-        (a fifth of the cost of one ``as_strided`` each, which counts at 10^4 tensors). Yields ``(id,
-        tensor, bytes)``; shapes too large for a slab (or empty) are left out, for :meth:`empty`.
+        Tensors of one dtype and shape are cut from a slab side by side, up to ``BATCH`` of them made by
+        one ``unbind`` (0.5 µs a tensor here, against 1.2-1.7 µs for one ``as_strided`` each, which
+        counts at 10^4 tensors). Yields ``(id, tensor, bytes)``; shapes too large for a slab (or empty)
+        are left out, for :meth:`empty`.
         """
         for (dtype, shape), ids in wanted.items():
             size = dtype.itemsize
