@@ -139,9 +139,9 @@ def touch_pages(tree: Mapping[str, object]) -> None:
 
     Loaders that return lazily mapped tensors (``mmap``) have read nothing yet when they return; timing
     this touch with them makes every "fresh" loader deliver data that is actually in memory. For tensors
-    already resident it costs a few milliseconds per GiB plus about a microsecond per small tensor: those
-    are read through ``ctypes`` at their addresses, as four tensor operations each (a strided view and
-    a sum) cost 15 µs a tensor here, 0.3 s of Python for 20,000 tensors that is not the loader's time.
+    already resident it costs a few milliseconds per GiB plus 2-4 µs per small tensor: those are read
+    through ``ctypes`` at their addresses, as four tensor operations each (a strided view and a sum)
+    cost 15 µs a tensor here, 0.3 s of Python for 20,000 tensors that is not the loader's time.
     """
     for i, t in enumerate(tree.values()):
         if i % 256 == 255:
