@@ -176,15 +176,13 @@ class _Matcher:
         The walk then finds them as it finds a tensor tied to one met before. Tensors of a dtype this
         torch lacks are left to :meth:`fresh`, which reports them.
         """
-        kinds: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-        for i, entry in enumerate(self.m.tensors):
-            kinds.setdefault((entry.dtype, entry.shape), []).append(i)
         wanted: dict[tuple[torch.dtype, tuple[int, ...]], list[int]] = {}
-        for (name, shape), ids in kinds.items():
+        for i, entry in enumerate(self.m.tensors):
             try:
-                wanted.setdefault((_dtype(name), shape), []).extend(ids)
+                dtype = _dtype(entry.dtype)
             except ValueError:
                 continue
+            wanted.setdefault((dtype, entry.shape), []).append(i)
         destinations = self.plan.destinations
         for i, tensor, view in self.slabs.many(wanted):
             destinations[i] = Destination(i, tensor, True, view=view)
