@@ -12,15 +12,14 @@ children follow (:func:`tree_records`); :func:`tree_from_blobs` rebuilds the nes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 from operator import itemgetter
 from typing import Literal
 
 import msgspec
 
-from ._codec import SlicedDecoder, slice_blobs
-from ._codec import encode as sliced_encode
+from ._codec import SLICE, SlicedDecoder, encode_parts, slice_blobs
 from ._format import (
     FORMAT_VERSION,
     BytesNode,
@@ -43,6 +42,11 @@ _RECORDS = msgspec.msgpack.Decoder(tuple[Record, ...])
 _LEAVES = frozenset({TensorNode, ValueNode, BytesNode, PickleNode})
 
 
+def _only_leaves(nodes: tuple[Node, ...]) -> bool:
+    """Whether no node of ``nodes`` is a container; checked a slice at a time (see :data:`SLICE`)."""
+    return all(_LEAVES.issuperset(map(type, nodes[i : i + SLICE])) for i in range(0, len(nodes), SLICE))
+
+
 def tree_records(tree: DictNode) -> Iterator[Record]:
     """The nodes of ``tree`` in preorder, each with its key in the dict that holds it.
 
@@ -60,7 +64,7 @@ def tree_records(tree: DictNode) -> Iterator[Record]:
         key, node = entry
         if isinstance(node, DictNode):
             yield key, OpenNode(kind="dict", size=len(node.values), origin=node.origin)
-            if _LEAVES.issuperset(map(type, node.values)):
+            if _only_leaves(node.values):
                 # Only leaves (a model's or a flat state's dict): their records are the (key, node)
                 # pairs themselves, made in C, with no Python work per child.
                 yield from zip(node.keys, node.values, strict=True)
@@ -98,7 +102,7 @@ class _Open:
         return TupleNode(items=tuple(self.values))
 
 
-def tree_from_blobs(blobs: tuple[bytes, ...]) -> DictNode:
+def tree_from_blobs(blobs: Sequence[bytes | memoryview]) -> DictNode:
     """Rebuild the tree that :func:`tree_blobs` encoded.
 
     Raises:
@@ -166,11 +170,20 @@ def tree_from_blobs(blobs: tuple[bytes, ...]) -> DictNode:
     return root
 
 
+def body_parts(manifest: Manifest) -> list[bytes]:
+    """``manifest`` encoded as the body of a current-format manifest file, a slice at a time, in pieces.
+
+    The pieces joined are :func:`encode_body`'s bytes; the blobs are not copied (see
+    :func:`~._codec.encode_parts`).
+    """
+    wire = msgspec.structs.replace(manifest, format_version=FORMAT_VERSION)
+    blobs = {"tree": tree_blobs(manifest.tree), "tensors": slice_blobs(manifest.tensors)}
+    return encode_parts(wire, blobs)
+
+
 def encode_body(manifest: Manifest) -> bytes:
     """``manifest`` encoded as the body of a current-format manifest file, a slice at a time."""
-    # replace() does not type-check: the tree field may hold its encoded blobs.
-    wire = msgspec.structs.replace(manifest, format_version=FORMAT_VERSION, tree=tree_blobs(manifest.tree))
-    return sliced_encode(wire, "tensors", blobs=True)
+    return b"".join(body_parts(manifest))
 
 
 # Format 1: the tree decoded in a call of its own, the tensor entries 512 at a time from the raw array
@@ -186,14 +199,14 @@ _V2 = SlicedDecoder(
     Manifest,
     "tensors",
     TensorEntry,
-    converted={"tree": (tuple[bytes, ...], tree_from_blobs)},
+    converted={"tree": (tuple[memoryview, ...], tree_from_blobs)},
     item_name="tensor entry",
     blobs=True,
 )
 _DECODERS = {1: _V1, 2: _V2}
 
 
-def decode_body(body: bytes, version: int) -> Manifest:
+def decode_body(body: bytes | memoryview, version: int) -> Manifest:
     """Decode the body of a manifest file of format ``version`` (1 to :data:`FORMAT_VERSION`).
 
     Raises:

@@ -165,12 +165,16 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class Envelope(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """The outer layer of ``manifest.msgpack``; stable across format versions."""
+    """The outer layer of ``manifest.msgpack``; stable across format versions.
+
+    ``body`` is decoded as a view into the file's bytes: copying megabytes of a large manifest into new
+    memory holds the GIL for milliseconds.
+    """
 
     magic: str
     format_version: int
     body_crc32c: int
-    body: bytes
+    body: memoryview
 
 
 # Module-level codecs are reused: building a msgspec Decoder is far costlier than using one.

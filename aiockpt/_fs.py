@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
@@ -44,6 +45,8 @@ _sync_file_range = _load_libc_fn(
     "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 )
 _SYNC_FILE_RANGE_WRITE = 2
+# Pieces per writev call: below IOV_MAX (1024 on Linux).
+_WRITEV_MAX = 512
 _AT_EMPTY_PATH = 0x1000
 # Refusals that mean "this way of naming an unnamed file is not open to us here", not a real failure.
 _CANNOT_LINK = (errno.EPERM, errno.EACCES, errno.ENOENT, errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL)
@@ -100,13 +103,23 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     return _sync_file_range is not None and _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new file ``path`` and fsync it (the directory entry is the caller's)."""
+def write_durable(path: Path, data: bytes | Sequence[bytes]) -> None:
+    """Write ``data`` (or its pieces, back to back) to a new file ``path`` and fsync it.
+
+    The directory entry is the caller's to fsync.
+    """
+    pieces = [memoryview(p) for p in ([data] if isinstance(data, bytes) else data) if len(p)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        first = 0
+        while first < len(pieces):
+            done = os.writev(fd, pieces[first : first + _WRITEV_MAX])
+            # Drop what was written: whole pieces, then the head of a piece cut short.
+            while done and done >= len(pieces[first]):
+                done -= len(pieces[first])
+                first += 1
+            if done:
+                pieces[first] = pieces[first][done:]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from aiockpt._codec import SLICE, SlicedDecoder, encode
+from aiockpt._codec import SLICE, SlicedDecoder, encode, encode_parts, slice_blobs
 from aiockpt._format import ENCODER, Chunk, TensorEntry
 from aiockpt._save._local_plan import LocalPlan, WriteItem
 from aiockpt._save._write import WriteResult
@@ -101,3 +101,38 @@ def test_blob_and_inline_encodings_are_not_mixed_up() -> None:
     data = encode(_result(SLICE + 1), "checksums")
     with pytest.raises(msgspec.ValidationError):
         SlicedDecoder(WriteResult, "checksums", tuple[int, ...], blobs=True).decode(data)
+
+
+# --- Pieces: a manifest written without joining its blobs ----------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, SLICE + 1, 60 * SLICE])
+def test_pieces_join_to_the_one_shot_encoding(n: int) -> None:
+    # 60 slices of plan items make blobs over 64 KiB (a bin32 header); small ones take bin8 and bin16.
+    plan = _plan(n)
+    blobs = {"items": slice_blobs(plan.items)}
+    parts = encode_parts(plan, blobs)
+    joined = b"".join(parts)
+    assert joined == ENCODER.encode(msgspec.structs.replace(plan, items=blobs["items"]))
+    assert joined == encode(plan, "items", blobs=True)
+    assert SlicedDecoder(LocalPlan, "items", WriteItem, blobs=True).decode(joined) == plan
+    # No blob was copied into a new buffer: each is a piece of its own.
+    assert all(any(part is blob for part in parts) for blob in blobs["items"])
+
+
+def test_pieces_of_two_fields_keep_the_struct_order() -> None:
+    entry = TensorEntry(path=("w",), dtype="float32", shape=(3,), chunks=())
+    blobs = {"chunks": (b"c1", b"c2"), "path": (b"p" * 300,)}  # given out of the struct's order
+    joined = b"".join(encode_parts(entry, blobs))
+    whole = msgspec.structs.replace(entry, path=blobs["path"], chunks=blobs["chunks"])
+    assert joined == ENCODER.encode(whole)
+
+
+def test_a_value_that_holds_a_placeholder_is_encoded_whole() -> None:
+    # A field's own value contains the bytes that stand for the spliced field: no cut may use them.
+    mark = b"\xb0\x00aiockpt\x00splice\x00"
+    entry = TensorEntry(path=(mark[1:].decode(),), dtype="float32", shape=(3,), chunks=())
+    blobs = {"chunks": (b"xyz",)}
+    parts = encode_parts(entry, blobs)
+    assert len(parts) == 1
+    assert parts[0] == ENCODER.encode(msgspec.structs.replace(entry, chunks=blobs["chunks"]))

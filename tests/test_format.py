@@ -154,6 +154,20 @@ async def test_large_fields_are_stored_in_slices_and_decode_back(tmp_path: Path)
     assert torch.equal(tree["m"]["t1299"], torch.full((2,), 1299.0))  # type: ignore[index]
 
 
+@pytest.mark.parametrize("count", [1, 1300])
+async def test_the_manifest_file_is_msgspecs_encoding_of_its_envelope(tmp_path: Path, count: int) -> None:
+    # The file is written in pieces (the body's blobs are not joined); the bytes must be exactly what one
+    # encode of the envelope gives, for a body under 64 KiB (bin16 header) and over it (bin32).
+    path = tmp_path / "ckpt"
+    await aiockpt.save({"m": {f"t{i}": torch.full((2,), float(i)) for i in range(count)}}, path)
+    raw = (path / MANIFEST_NAME).read_bytes()
+    env = ENVELOPE_DECODER.decode(raw)
+    assert (len(env.body) > 0xFFFF) == (count > 1)
+    assert env.body_crc32c == crc32c.crc32c(env.body)
+    assert raw == ENCODER.encode(env)
+    assert bytes(env.body) == encode_body(decode_manifest(raw, "m"))
+
+
 async def test_a_dtype_this_torch_lacks_is_named_by_read_and_load(tmp_path: Path) -> None:
     # A checkpoint from a newer torch may hold a dtype this one lacks: read must not hand back None.
     path = tmp_path / "ckpt"

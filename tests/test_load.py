@@ -8,6 +8,7 @@ from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 from conftest import (
@@ -23,6 +24,9 @@ from conftest import (
 
 import aiockpt
 from aiockpt import StateMismatchError, StateMismatchWarning
+from aiockpt._format import MANIFEST_NAME
+from aiockpt._load._manifest import decode_manifest
+from aiockpt._save._finish import encode_manifest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -219,6 +223,21 @@ async def test_strict_load_of_a_different_architecture_changes_nothing(ckpt_path
     assert "model/bias" in text
     assert len(info.value.differences) == 2
     assert_tree_equal(other.state_dict(), before)
+
+
+async def test_a_manifest_that_repeats_a_key_cannot_hide_a_missing_one(tmp_path: Path) -> None:
+    # The matcher counts the target's keys it found instead of building a set of the checkpoint's: a
+    # forged tree with "a" twice and no "b" has as many keys as the target, and "b" must still be missing.
+    path = tmp_path / "ckpt"
+    await aiockpt.save({"a": torch.ones(2), "b": torch.ones(2)}, path)
+    file = path / MANIFEST_NAME
+    manifest = decode_manifest(file.read_bytes(), str(file))
+    forged = msgspec.structs.replace(manifest, tree=msgspec.structs.replace(manifest.tree, keys=("a", "a")))
+    file.write_bytes(b"".join(encode_manifest(forged)[0]))
+    target: dict[str, object] = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    with pytest.raises(StateMismatchError, match="b: missing key"):
+        await aiockpt.load(target, path)
+    assert torch.equal(tensor_at(target, "b"), torch.zeros(2))
 
 
 async def test_strict_load_reports_unexpected_module_keys(ckpt_path: Path) -> None:

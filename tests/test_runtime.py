@@ -22,7 +22,7 @@ from conftest import assert_tree_equal, listdir, read_text, tmp_entries
 import aiockpt
 import aiockpt._fs
 from aiockpt import BusyError, Checkpointer, CheckpointNotFoundError, SaveState
-from aiockpt._fs import OwnerLock, owner_alive
+from aiockpt._fs import OwnerLock, owner_alive, write_durable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -308,6 +308,29 @@ async def test_temp_data_of_a_live_writer_survives_an_open(root: Path) -> None:
     async with Checkpointer(root):
         pass
     assert tmp_entries(root) == []
+
+
+def test_write_durable_writes_pieces_back_to_back_through_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # More pieces than one writev takes, empty ones among them, and a kernel that writes at most 1000
+    # bytes per call (cutting pieces anywhere): the file is still the pieces joined.
+    pieces = [bytes([i % 251]) * (i % 7 * 300) for i in range(1500)]
+    real = os.writev
+
+    def short(fd: int, buffers: list[memoryview]) -> int:
+        assert len(buffers) <= 1024
+        left, take = 1000, []
+        for b in buffers:
+            take.append(b[:left])
+            left -= len(take[-1])
+        return real(fd, take)
+
+    monkeypatch.setattr(os, "writev", short)
+    write_durable(tmp_path / "f", pieces)
+    assert (tmp_path / "f").read_bytes() == b"".join(pieces)
+    write_durable(tmp_path / "g", b"one buffer")
+    assert (tmp_path / "g").read_bytes() == b"one buffer"
 
 
 def test_owner_lock_never_bears_its_name_unlocked(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def _plan_local(rank: int, staged: Staged) -> bytes:
     return encoded
 
 
-def _plan_global(gathered: list[bytes]) -> GlobalPlan:
+def _plan_global(gathered: list[memoryview]) -> GlobalPlan:
     with paused():
         plans = [_LOCAL_PLAN.decode(b) for b in gathered]
         plan = global_plan(plans)
@@ -78,8 +78,8 @@ def _plan_global(gathered: list[bytes]) -> GlobalPlan:
 
 
 def _manifest(
-    plan: GlobalPlan, results: list[bytes], tree: DictNode, req: SaveRequest
-) -> tuple[Manifest, bytes, int, int]:
+    plan: GlobalPlan, results: list[memoryview], tree: DictNode, req: SaveRequest
+) -> tuple[Manifest, list[bytes], int, int]:
     with paused():
         manifest = build_manifest(
             plan,
@@ -161,7 +161,7 @@ class Target(Protocol):
     async def write(
         self, token: str, plan: RankPlan, sources: Sequence[memoryview], io: IOConfig
     ) -> WriteResult: ...
-    async def commit(self, manifest: bytes) -> None: ...
+    async def commit(self, manifest: Sequence[bytes]) -> None: ...
     async def published(self) -> None: ...
     async def discard(self) -> None: ...
     async def summary(self) -> tuple[Manifest, int, int]: ...
@@ -190,7 +190,7 @@ class _LocalTarget:
             plan, sources, directory, block=io.checksum_block, threads=io.thread_count, limiter=self.limiter
         )
 
-    async def commit(self, manifest: bytes) -> None:
+    async def commit(self, manifest: Sequence[bytes]) -> None:
         assert self.tmp is not None
         await commit(self.tmp[0], self.path, manifest, self.limiter)
 
@@ -278,7 +278,7 @@ async def _save(
         metrics.phase("local_plan")
 
         # --- global plan: every rank computes the same pure plan from everyone's local plans
-        mine = Status(ok=True, payload=local, tmp=token)
+        mine = Status(ok=True, payload=memoryview(local), tmp=token)
         statuses = await exchanges.exchange("plan", mine)
         exchanges.check("plan", statuses)
         plan = await run_sync(partial(_plan_global, [s.payload for s in statuses]), limiter)
@@ -293,7 +293,7 @@ async def _save(
 
         # --- finish: votes, then the coordinator commits and tells everyone
         payload = await run_sync(partial(sliced_encode, result, "checksums", blobs=True), limiter)
-        vote = Status(ok=True, payload=payload)
+        vote = Status(ok=True, payload=memoryview(payload))
         statuses = await exchanges.exchange("vote", vote)
         outcome = Status(ok=True)
         summary: tuple[Manifest, int, int] | None = None

@@ -17,7 +17,8 @@ import anyio
 import crc32c
 import msgspec
 
-from .._body import encode_body
+from .._body import body_parts
+from .._codec import bin_header
 from .._errors import CheckpointExistsError, StorageError
 from .._format import (
     ENCODER,
@@ -69,19 +70,29 @@ def build_manifest(
     )
 
 
-def encode_manifest(manifest: Manifest) -> tuple[bytes, int]:
-    """Encode ``manifest`` inside its checksummed :class:`Envelope`; return the bytes and the body CRC."""
-    body = encode_body(manifest)
-    crc = crc32c.crc32c(body)
-    return ENCODER.encode(
-        Envelope(magic=MAGIC, format_version=FORMAT_VERSION, body_crc32c=crc, body=body)
-    ), crc
+def encode_manifest(manifest: Manifest) -> tuple[list[bytes], int]:
+    """Encode ``manifest`` inside its checksummed :class:`Envelope`; return the pieces and the body CRC.
+
+    The pieces joined are the file's bytes (:func:`~.._codec.encode_parts`: the body's megabytes are
+    not copied into one buffer).
+    """
+    body = body_parts(manifest)
+    crc = 0
+    for part in body:
+        crc = crc32c.crc32c(part, crc)
+    empty = ENCODER.encode(
+        Envelope(magic=MAGIC, format_version=FORMAT_VERSION, body_crc32c=crc, body=memoryview(b""))
+    )
+    # The body is the envelope's last field: its empty ``bin`` ends the encoding, and the body's own
+    # header and bytes take its place.
+    assert empty.endswith(bin_header(0)), "the envelope's last field must be its body"
+    return [empty[: -len(bin_header(0))] + bin_header(sum(map(len, body))), *body], crc
 
 
 async def commit(
-    tmpdir: Path, final: Path, manifest: bytes, limiter: anyio.CapacityLimiter | None = None
+    tmpdir: Path, final: Path, manifest: Sequence[bytes], limiter: anyio.CapacityLimiter | None = None
 ) -> None:
-    """Write the manifest into ``tmpdir`` and publish ``tmpdir`` as ``final`` (see the module docstring).
+    """Write the manifest (its pieces) into ``tmpdir``; publish ``tmpdir`` as ``final`` (module docstring).
 
     Raises:
         CheckpointExistsError: ``final`` appeared meanwhile; nothing was replaced.

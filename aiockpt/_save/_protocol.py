@@ -12,11 +12,13 @@ aborted. A failure reported in ``plan`` ends the protocol there for everyone.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import msgspec
 
 from .._errors import CheckpointError, DistributedError
 from .._format import ENCODER
+from .._threads import run_sync
 from .._world import World
 
 STEPS = ("plan", "vote", "outcome")
@@ -27,11 +29,15 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     ok: bool
     error: str = ""
-    payload: bytes = b""
+    # Decoded as a view into the message (a local plan of 10^4 tensors is a megabyte: a copy on the
+    # event loop's thread would stall it).
+    payload: memoryview = msgspec.field(default_factory=lambda: memoryview(b""))
     tmp: str = ""
 
 
 _STATUS = msgspec.msgpack.Decoder(Status)
+# Payloads up to this size are encoded on the event loop's thread: a thread hop costs more.
+_INLINE_PAYLOAD = 64 << 10
 
 
 def describe(exc: BaseException) -> str:
@@ -57,10 +63,14 @@ class Exchanges:
         :meth:`abort` later reads its result to know which exchanges remain.
         """
         assert STEPS[self.done] == step, f"exchange {step!r} out of order"
+        # A large payload is copied into the message in a thread. Cancelled meanwhile, this rank has not
+        # begun the exchange yet.
+        if len(status.payload) > _INLINE_PAYLOAD:
+            message = await run_sync(partial(ENCODER.encode, status))
+        else:
+            message = ENCODER.encode(status)
         self.done += 1  # counted before awaiting: once begun, an exchange is in flight on every rank
-        self._pending = asyncio.ensure_future(
-            self.world.all_gather(ENCODER.encode(status), what=f"save/{step}")
-        )
+        self._pending = asyncio.ensure_future(self.world.all_gather(message, what=f"save/{step}"))
         raw = await asyncio.shield(self._pending)
         return [_STATUS.decode(r) for r in raw]
 

@@ -226,19 +226,20 @@ class S3Target:
             self.path, plan, sources, block=io.checksum_block, threads=io.thread_count, limiter=self.limiter
         )
 
-    async def commit(self, manifest: bytes) -> None:
-        """Put the manifest, create-only: the commit point. Shielded, like the local rename.
+    async def commit(self, manifest: Sequence[bytes]) -> None:
+        """Put the manifest (its pieces, joined), create-only: the commit point. Shielded, like a rename.
 
         Raises:
             CheckpointExistsError: Another save committed this prefix meanwhile; nothing was replaced.
             StorageError: The request failed.
         """
         with anyio.CancelScope(shield=True):
+            data = await run_sync(lambda: b"".join(manifest))  # megabytes: not on the loop's thread
             try:
-                await put(self.path, MANIFEST_NAME, manifest, create=True)
+                await put(self.path, MANIFEST_NAME, data, create=True)
             except FileExistsError as exc:
                 # A retried put whose first attempt landed also sees "exists": it is ours if the bytes are.
-                if await get(self.path, MANIFEST_NAME) == manifest:
+                if await get(self.path, MANIFEST_NAME) == data:
                     return
                 raise CheckpointExistsError(
                     f"checkpoint {self.path} already exists; nothing was replaced"
