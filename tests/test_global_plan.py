@@ -63,6 +63,32 @@ def test_sharded_chunks_stay_with_their_owner() -> None:
     assert entry.shape == (32,)
 
 
+def test_each_rank_writes_in_its_item_order_when_shards_and_replicas_mix() -> None:
+    # A rank's own shards are listed as they come and replicated chunks are handed out afterwards, so
+    # its writes are out of item order until sorted: the file must follow the items (sequential reads).
+    plans = [
+        LocalPlan(
+            rank=r,
+            items=(
+                item("r0", 100),
+                item("s", 8, replicated=False, offsets=8 * r, size=8),
+                item("r1", 50),
+                item("r2", 30),
+                item("t", 8, replicated=False, offsets=8 * r, size=8),
+            ),
+        )
+        for r in range(2)
+    ]
+    plan = global_plan(plans)
+    for rank_plan in plan.ranks:
+        order = [w.item for w in rank_plan.writes]
+        assert order == sorted(order)
+        assert {1, 4} <= set(order)  # its own shards
+        offsets = [w.offset for w in rank_plan.writes]
+        assert offsets == sorted(offsets)
+    assert sorted(w.item for r in plan.ranks for w in r.writes) == [0, 1, 1, 2, 3, 4, 4]
+
+
 def test_ranks_disagreeing_on_a_tensor_are_named() -> None:
     a = LocalPlan(rank=0, items=(item("w", 8),))
     b = LocalPlan(rank=1, items=(item("w", 16),))

@@ -9,7 +9,6 @@ table, with checksums left empty for the finish stage to fill in.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 
 import msgspec
 
@@ -71,6 +70,7 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     first: list[WriteItem] = []  # the item that introduced each tensor
     first_rank: list[int] = []
     per_rank: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # (item, tensor) each rank writes
+    unsorted = [False] * world  # whether a rank's list was appended to out of item order
     load = [0] * world
     # (tensor, offsets, sizes) -> (rank, item) pairs holding that replicated chunk
     holders: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
@@ -106,7 +106,9 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     for (t, _, _), cands in holders.items():
         if len(cands) == 1:
             rank, j = cands[0]
-            per_rank[rank].append((j, t))
+            mine = per_rank[rank]
+            unsorted[rank] = unsorted[rank] or bool(mine and mine[-1] > (j, t))
+            mine.append((j, t))
             load[rank] += plans[rank].items[j].nbytes
         else:
             shared.append((plans[cands[0][0]].items[cands[0][1]].nbytes, t, cands))
@@ -114,14 +116,16 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     for nbytes, t, cands in shared:
         rank, j = min(cands, key=lambda c: (load[c[0]], c[0]))
         load[rank] += nbytes
-        per_rank[rank].append((j, t))
+        mine = per_rank[rank]
+        unsorted[rank] = unsorted[rank] or bool(mine and mine[-1] > (j, t))
+        mine.append((j, t))
 
     chunks: list[list[Chunk]] = [[] for _ in first]
     rank_plans = []
     for rank, assigned in enumerate(per_rank):
-        # File order follows the rank's item order: sequential reads of a whole state. Usually it already
-        # does; the check is Python the loop can interrupt, where sorting 10^4 pairs is one C call.
-        if any(a > b for a, b in pairwise(assigned)):
+        # File order follows the rank's item order: sequential reads of a whole state. Usually the list
+        # was built in that order (noted as it grew): sorting 10^4 pairs is one C call holding the GIL.
+        if unsorted[rank]:
             assigned.sort()
         file = data_file_name(rank)
         items = plans[rank].items
