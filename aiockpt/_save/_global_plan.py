@@ -55,6 +55,13 @@ class GlobalPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     tensors: tuple[TensorEntry, ...]
 
 
+def _append(writes: list[tuple[int, int]], j: int, t: int) -> bool:
+    """Add item ``j`` (tensor ``t``) to a rank's ``writes``; return whether it breaks their item order."""
+    late = bool(writes) and writes[-1] > (j, t)
+    writes.append((j, t))
+    return late
+
+
 def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     """Assign every chunk held by any rank to exactly one writer and a file offset.
 
@@ -106,9 +113,7 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     for (t, _, _), cands in holders.items():
         if len(cands) == 1:
             rank, j = cands[0]
-            mine = per_rank[rank]
-            unsorted[rank] = unsorted[rank] or bool(mine and mine[-1] > (j, t))
-            mine.append((j, t))
+            unsorted[rank] |= _append(per_rank[rank], j, t)
             load[rank] += plans[rank].items[j].nbytes
         else:
             shared.append((plans[cands[0][0]].items[cands[0][1]].nbytes, t, cands))
@@ -116,9 +121,7 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     for nbytes, t, cands in shared:
         rank, j = min(cands, key=lambda c: (load[c[0]], c[0]))
         load[rank] += nbytes
-        mine = per_rank[rank]
-        unsorted[rank] = unsorted[rank] or bool(mine and mine[-1] > (j, t))
-        mine.append((j, t))
+        unsorted[rank] |= _append(per_rank[rank], j, t)
 
     chunks: list[list[Chunk]] = [[] for _ in first]
     rank_plans = []
