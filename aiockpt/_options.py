@@ -59,6 +59,19 @@ class IOConfig:
             buffered load; the price is a user-space copy, and a checkpoint that is still in the page
             cache (just saved) is read from the device again. Files or platforms that refuse
             ``O_DIRECT`` are read through the page cache as usual.
+        drop_behind: Evict the data a load or verification reads through the page cache from it as soon
+            as each run of it is verified, except pages that were cached when it began (a checkpoint saved
+            on this machine, or already read by another process, stays cached). The load then holds a few
+            runs of pages at a time instead of the whole checkpoint: it does not push out what the
+            machine caches for other work, and the kernel reuses the same pages instead of allocating a
+            new one for every page read (on a VM that hands idle memory back to its host, each new page
+            is touched for the first time again: cold 2 GiB loads after 5 idle seconds took 1.35 s with
+            it against 2.15 s without, medians, see docs/benchmarks.md). The price: a process reading
+            the same uncached data at the same time as this one, but behind it, reads it from the device
+            again. ``None`` (the default) turns it on unless this process is one of several ranks of an
+            initialized ``torch.distributed`` job, whose ranks on one machine often read the same bytes
+            (replicated tensors) at the same time; ``True`` or ``False`` decide for every load. Linux only
+            (elsewhere nothing is evicted); ``direct_reads`` bypass the page cache anyway.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
             copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed
@@ -80,6 +93,7 @@ class IOConfig:
     pause_gc: bool = True
     switch_interval: float | None = 0.0002
     direct_reads: bool = False
+    drop_behind: bool | None = None
     worker_nice: int = 10
 
     def __post_init__(self) -> None:
@@ -101,3 +115,12 @@ class IOConfig:
     def thread_count(self) -> int:
         """``threads``, or where it is ``None`` the default for this process (:func:`auto_threads`)."""
         return auto_threads() if self.threads is None else self.threads
+
+    @property
+    def drops_behind(self) -> bool:
+        """``drop_behind``, or where it is ``None`` whether this process is not one of several ranks."""
+        if self.drop_behind is not None:
+            return self.drop_behind
+        import torch.distributed as dist
+
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)

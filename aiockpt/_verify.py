@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from ._gc import paused
 from ._load import read_manifest
 from ._load._read import chunk_error, read_checked
 from ._options import IOConfig
+from ._pagecache import drop_behind, resident, sweep
 from ._runs import MAX_GAP, Piece, Run, group, lanes
 from ._storage import local
 from ._threads import responsive, run_sync, run_workers
@@ -141,8 +142,9 @@ async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], No
     report()
 
 
-def _close_all(fds: Iterable[int]) -> None:
-    for fd in fds:
+def _close_all(fds: dict[str, int], before: dict[str, bytes | None]) -> None:
+    for name, fd in fds.items():
+        sweep(fd, before.get(name))  # what readahead brought in past the runs read
         os.close(fd)
 
 
@@ -157,7 +159,8 @@ async def verify(
     Each data file is read in full (by ``io.thread_count`` threads, each through a buffer of a few MiB it
     reuses, so memory use does not grow with the checkpoint) and every block's CRC32C compared with the
     manifest's. Unlike :func:`load`, verification goes on past the first damaged chunk and reports all of
-    them. A collective-free checkpoint is verified part by part, through its merged manifest.
+    them. A collective-free checkpoint is verified part by part, through its merged manifest. As a load
+    does (``IOConfig.drop_behind``), it leaves in the page cache only what was cached before it began.
 
     Args:
         path: A checkpoint directory.
@@ -198,6 +201,7 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
     fds: dict[str, int] = {}
     work: list[tuple[int, deque[tuple[str, Run]]]] = []
     done: list[int] = []
+    before: dict[str, bytes | None] = {}
 
     def open_files() -> None:
         jobs: list[tuple[str, Run]] = []
@@ -215,6 +219,8 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
             fds[name] = fd
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             size = os.fstat(fd).st_size
+            # As a load does (IOConfig.drop_behind): what was cached before stays, what is read goes.
+            before[name] = resident(fd, size) if io.drops_behind else None
             for p in pieces:
                 if p.offset + len(p.view) > size:
                     problems.add(p.item, "data file is truncated")
@@ -244,6 +250,7 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
                     problems.add(p.item, "data file is truncated")
                 for p in bad:
                     problems.add(p.item, f"checksum mismatch in block {p.block}")
+                drop_behind(fds[name], run.offset, run.end, before[name])
             done[index] += sum(len(p.view) for p in run.pieces)
 
     async def read_all() -> None:
@@ -258,7 +265,7 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
             await _reporting(read_all, lambda: progress(sum(done), total))
     finally:
         with anyio.CancelScope(shield=True):
-            await run_sync(lambda: _close_all(fds.values()))
+            await run_sync(lambda: _close_all(fds, before))
     return VerifyReport(
         path=str(directory),
         problems=problems.in_file_order(),

@@ -23,7 +23,7 @@ from .._threads import release, responsive, run_sync
 from .._tree import render
 from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
-from ._read import prefetch, read_into
+from ._read import cached_pages, prefetch, read_into
 
 __all__ = [
     "assign",
@@ -38,25 +38,39 @@ __all__ = [
 ]
 
 
-async def _manifest(path: Location, io: IOConfig, limiter: anyio.CapacityLimiter | None) -> Manifest:
+_Cached = dict[str, bytes | None]
+
+
+async def _manifest(
+    path: Location, io: IOConfig, limiter: anyio.CapacityLimiter | None
+) -> tuple[Manifest, _Cached]:
+    """The manifest, and what of the data files was cached before the load began (``drop_behind``)."""
     if isinstance(path, S3Path):
         from .._storage._s3 import read_manifest as read_object_manifest
 
-        return await read_object_manifest(path)
+        return await read_object_manifest(path), {}
 
-    def read() -> Manifest:
+    def read() -> tuple[Manifest, _Cached]:
         manifest = read_manifest(path)
+        cached: _Cached = {}
         if not io.direct_reads:
+            if io.drops_behind:
+                cached = cached_pages(path, manifest)  # before the prefetch brings any in
             # The disk reads ahead while the target is matched and the reads planned. Here, not in a
             # thread beside the matching: its calls would compete with it and the loop for the GIL.
             prefetch(path, manifest)
-        return manifest
+        return manifest, cached
 
     return await run_sync(read, limiter)
 
 
 async def _fill(
-    path: Location, manifest: Manifest, plan: LoadPlan, io: IOConfig, limiter: anyio.CapacityLimiter | None
+    path: Location,
+    manifest: Manifest,
+    cached: _Cached,
+    plan: LoadPlan,
+    io: IOConfig,
+    limiter: anyio.CapacityLimiter | None,
 ) -> None:
     if isinstance(path, S3Path):
         from .._storage._s3_data import download
@@ -69,6 +83,8 @@ async def _fill(
             plan.destinations,
             threads=io.thread_count,
             direct=io.direct_reads,
+            evict=io.drops_behind,
+            cached=cached,
             limiter=limiter,
         )
     await hand_over(plan, limiter)
@@ -151,10 +167,10 @@ async def _load(
     io: IOConfig,
     limiter: anyio.CapacityLimiter | None,
 ) -> None:
-    manifest = await _manifest(path, io, limiter)
+    manifest, cached = await _manifest(path, io, limiter)
     plan = await run_sync(partial(match, manifest, state, allow_pickle=allow_pickle), limiter)
     settle(plan, path, strict=strict)
-    await _fill(path, manifest, plan, io, limiter)
+    await _fill(path, manifest, cached, plan, io, limiter)
     await run_sync(partial(assign, plan), limiter)
     # Neither name may keep the bookkeeping alive once it is handed to the thread that frees it.
     box: list[object] = [manifest, plan]
@@ -173,10 +189,10 @@ async def run_read(
 async def _read_fresh(
     path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
 ) -> dict[Key, object]:
-    manifest = await _manifest(path, io, limiter)
+    manifest, cached = await _manifest(path, io, limiter)
     plan = await run_sync(partial(match, manifest, None, allow_pickle=allow_pickle), limiter)
     readable(plan, path)
-    await _fill(path, manifest, plan, io, limiter)
+    await _fill(path, manifest, cached, plan, io, limiter)
     result = plan.result
     box: list[object] = [manifest, plan]  # as in _load; ``result`` stays alive through its own name
     del manifest, plan

@@ -13,7 +13,7 @@ import mmap
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._gc import paused
 from .._memory import byte_view, plain_cpu
+from .._pagecache import drop_behind, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
@@ -255,14 +256,39 @@ def prefetch(directory: Path, manifest: Manifest) -> None:
         os.close(fd)
 
 
+def cached_pages(directory: Path, manifest: Manifest) -> dict[str, bytes | None]:
+    """Which pages of each data file the page cache holds now (see :func:`aiockpt._pagecache.resident`).
+
+    Taken before :func:`prefetch` and the reads, so that :func:`read_into` evicts what it brought in and
+    nothing else. A file that cannot be opened is left out: the read stage reports it. Blocking.
+    """
+    out: dict[str, bytes | None] = {}
+    for info in manifest.files:
+        try:
+            fd = os.open(directory / info.name, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            out[info.name] = resident(fd, info.nbytes)
+        finally:
+            os.close(fd)
+    return out
+
+
 def _release(
-    fds: Iterable[int],
+    fds: dict[str, int],
+    before: dict[str, bytes | None],
+    direct_fds: Iterable[int],
     copies: list[Callable[[], None]],
     keep: list[torch.Tensor],
     reads: list[_Read],
     by_file: _ByFile,
 ) -> None:
-    for fd in fds:
+    for name, fd in fds.items():
+        if name in before:
+            sweep(fd, before[name])
+        os.close(fd)
+    for fd in direct_fds:
         os.close(fd)
     # The containers stay referenced by the caller: their items move into ``box``, freed in slices.
     box: list[object] = [copies[:], keep[:], reads[:], list(by_file.values())]
@@ -285,11 +311,17 @@ async def read_into(
     *,
     threads: int,
     direct: bool = False,
+    evict: bool = False,
+    cached: Mapping[str, bytes | None] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> int:
     """Fill every destination from ``directory``'s data files; return the bytes read.
 
     ``direct`` reads through ``O_DIRECT`` where the file system allows it (see ``IOConfig.direct_reads``).
+    With ``evict``, each run read through the page cache is evicted from it once verified, unless some
+    of its pages were cached before (see ``IOConfig.drop_behind``): ``cached`` gives what
+    :func:`cached_pages` found before anything (a prefetch) read the files; files it lacks are looked
+    at when opened.
 
     Raises:
         CorruptionError: A block's checksum does not match, or a data file is missing or too short; the
@@ -316,6 +348,8 @@ async def read_into(
 
     fds: dict[str, int] = {}
     direct_fds: dict[str, int] = {}
+    # Per buffered file, its pages cached before this read (evict only); ``None``: unknown, evict nothing.
+    before: dict[str, bytes | None] = {}
     work: list[deque[tuple[str, Run]]] = []
     checksums: list[tuple[int, ...]] = []
     reads, copies, keep, by_file, total = await run_sync(plan_reads, limiter)
@@ -331,15 +365,18 @@ async def read_into(
             except FileNotFoundError:
                 raise corrupt(reads[pieces[0].item], "data file is missing") from None
             fds[name] = fd
-            dfd = _open_direct(path) if direct else None
-            if dfd is None:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            else:
-                direct_fds[name] = dfd
+            size = os.fstat(fd).st_size
             end = max(p.offset + len(p.view) for p in pieces)
-            if os.fstat(fd).st_size < end:
-                short = next(p for p in pieces if p.offset + len(p.view) > os.fstat(fd).st_size)
+            if size < end:
+                short = next(p for p in pieces if p.offset + len(p.view) > size)
                 raise corrupt(reads[short.item], "data file is truncated")
+            dfd = _open_direct(path) if direct else None
+            if dfd is not None:
+                direct_fds[name] = dfd
+                continue
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            if evict:
+                before[name] = cached[name] if cached is not None and name in cached else resident(fd, size)
 
     def worker(abort: threading.Event) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
@@ -357,6 +394,8 @@ async def read_into(
             dfd = direct_fds.get(name)
             if dfd is None:
                 short, bad = read_checked(fds[name], run, scratch, sums)
+                if name in before and not (short or bad):
+                    drop_behind(fds[name], run.offset, run.end, before[name])
             else:
                 short, bad = read_checked_direct(dfd, run, bounce, address, sums)
             if short:
@@ -377,6 +416,6 @@ async def read_into(
         # are the per-chunk bookkeeping objects, whose deallocation takes milliseconds for 10^4 tensors.
         with anyio.CancelScope(shield=True):
             await run_sync(
-                lambda: _release([*fds.values(), *direct_fds.values()], copies, keep, reads, by_file), limiter
+                lambda: _release(fds, before, direct_fds.values(), copies, keep, reads, by_file), limiter
             )
     return total

@@ -1,0 +1,107 @@
+"""Which pages of a file the page cache holds, and evicting what a reader has consumed (drop-behind).
+
+A load reads each byte of a checkpoint once. Left in the page cache, those pages crowd out what the
+machine caches for other work, and every new page the read needs is one more the kernel must allocate:
+on a VM whose idle memory goes back to the host (free page reporting, proactive reclaim), each such
+page is first-touched again, which costs more CPU than copying it. Evicting a run once it is verified
+lets the kernel reuse the same few pages for the rest of the read. Pages that were already cached when
+the load began (a checkpoint just saved on this machine, or read by another process) are left there:
+evicting them would only make the next reader go to the device.
+
+Every function here blocks: call them only from worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import re
+
+PAGE = mmap.PAGESIZE
+
+
+def _libc_calls() -> tuple[ctypes._CFuncPtr, ...] | None:  # type: ignore[name-defined]
+    if not hasattr(os, "posix_fadvise"):  # no way to evict a range (macOS, Windows)
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        mmap_, mincore, munmap = libc.mmap, libc.mincore, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    c_int = ctypes.c_int
+    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, c_int, c_int, c_int, ctypes.c_int64]
+    mmap_.restype = ctypes.c_void_p
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    munmap.restype = ctypes.c_int
+    return mmap_, mincore, munmap
+
+
+_CALLS = _libc_calls()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_UNCACHED = re.compile(rb"\0+")
+# Pages of a residency map scanned per regex call (64 MiB of file with 4 KiB pages): each call holds the
+# GIL, and a 100 GiB file's map is 26 MB.
+_SCAN_PAGES = 1 << 14
+
+
+def resident(fd: int, size: int) -> bytes | None:
+    """One byte per page of the first ``size`` bytes of ``fd``: nonzero where the page cache holds it now.
+
+    Maps the file without touching it and asks ``mincore``; no page is read or faulted in. Returns
+    ``None`` where this cannot be told (no ``mincore`` or ``posix_fadvise``, or a file that refuses to be
+    mapped, such as some FUSE and network file systems).
+    """
+    if _CALLS is None:
+        return None
+    if size <= 0:
+        return b""
+    mmap_, mincore, munmap = _CALLS
+    addr = mmap_(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return None
+    try:
+        vec = bytearray(-(-size // PAGE))
+        buf = (ctypes.c_ubyte * len(vec)).from_buffer(vec)
+        if mincore(addr, size, buf) != 0:
+            return None
+        del buf  # releases the export, so that ``vec`` can be converted
+        return bytes(vec)
+    finally:
+        munmap(addr, size)
+
+
+def drop_behind(fd: int, start: int, end: int, before: bytes | None) -> None:
+    """Evict the pages of ``fd`` wholly inside ``[start, end)``, unless any of them was cached before.
+
+    ``before`` is :func:`resident` of the file, taken before anything read it; with ``None`` (unknown),
+    nothing is evicted. Only clean pages go (``POSIX_FADV_DONTNEED``); pages straddling ``start`` or
+    ``end`` stay, so a neighbouring range being read is not disturbed. Eviction is a hint: a failure is
+    ignored.
+    """
+    if before is None or end <= start:
+        return
+    first, stop = start // PAGE, -(-end // PAGE)
+    if before.count(0, first, stop) != stop - first:
+        return
+    with contextlib.suppress(OSError):
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+
+def sweep(fd: int, before: bytes | None) -> None:
+    """Evict every page of ``fd`` that was not cached ``before`` (see :func:`drop_behind`); for after a read.
+
+    Readahead runs past what a reader asked for: into the range of the next reader's lane, which may have
+    evicted it already, or past the last byte a load needed. One call per stretch of pages that were not
+    cached before, within slices of :data:`_SCAN_PAGES` (one call per 64 MiB of a file that was cold).
+    """
+    if before is None:
+        return
+    with contextlib.suppress(OSError):
+        for lo in range(0, len(before), _SCAN_PAGES):
+            for m in _UNCACHED.finditer(before, lo, lo + _SCAN_PAGES):
+                start, stop = m.span()
+                os.posix_fadvise(fd, start * PAGE, (stop - start) * PAGE, os.POSIX_FADV_DONTNEED)

@@ -1,0 +1,214 @@
+"""``IOConfig.drop_behind``: a load evicts from the page cache what it read, and only that."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_tree_equal
+
+import aiockpt
+from aiockpt import IOConfig
+from aiockpt._pagecache import PAGE, drop_behind, resident, sweep
+
+pytestmark = pytest.mark.timeout(60)
+
+DATA = "data-r00000.bin"
+# Several runs (8 MiB each at most) over two reader lanes, checksummed in 1 MiB blocks.
+IO = IOConfig(threads=2, checksum_block=1 << 20)
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _resident(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = resident(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    assert pages is not None
+    return pages
+
+
+def _count(pages: bytes) -> int:
+    return len(pages) - pages.count(0)
+
+
+def _read_pages(path: Path, first: int, stop: int) -> None:
+    """Read pages ``[first, stop)`` of ``path`` with readahead off, so that exactly they get cached."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for page in range(first, stop):
+            os.pread(fd, PAGE, page * PAGE)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(autouse=True)
+def _evictable(tmp_path: Path) -> None:
+    """Skip where the temporary directory's pages cannot be told apart or evicted (tmpfs, not Linux)."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 4 * PAGE)
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("this platform has no posix_fadvise")
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        if resident(fd, 4 * PAGE) is None:
+            pytest.skip("mincore cannot tell which pages are cached here")
+    finally:
+        os.close(fd)
+    _evict(probe)
+    if _count(_resident(probe)):
+        pytest.skip("the temporary directory's file system keeps its pages cached (tmpfs)")
+    _read_pages(probe, 1, 2)
+    if _resident(probe) != b"\0\1\0\0":
+        pytest.skip("pages read here are not cached one by one")
+
+
+def state() -> dict[str, object]:
+    gen = torch.Generator().manual_seed(5)
+    return {
+        "big": torch.randn(5_000_001, generator=gen),  # 20 MB: three runs
+        "bf16": torch.randn(513, 129, generator=gen).to(torch.bfloat16),
+        "small": {f"s{i}": torch.randn(i + 1, generator=gen) for i in range(40)},
+        "step": 3,
+    }
+
+
+def test_resident_tells_which_pages_are_cached(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 * PAGE + 100))
+    _evict(path)
+    assert _resident(path) == bytes(9)
+    _read_pages(path, 2, 5)
+    assert _resident(path) == b"\0\0\1\1\1\0\0\0\0"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert resident(fd, 0) == b""
+        assert resident(fd, 3 * PAGE + 1) == b"\0\0\1\1"  # only the pages asked about
+    finally:
+        os.close(fd)
+
+
+def test_drop_behind_evicts_whole_pages_of_a_range_nothing_cached_before(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 * PAGE))
+    _evict(path)
+    nothing = _resident(path)
+    _read_pages(path, 0, 8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # Unknown state before: nothing goes.
+        drop_behind(fd, 0, 8 * PAGE, None)
+        assert _count(_resident(path)) == 8
+        # A range with a page cached before the read began: nothing goes either.
+        drop_behind(fd, 0, 8 * PAGE, b"\0\0\0\1\0\0\0\0")
+        assert _count(_resident(path)) == 8
+        # Pages straddling either end stay (a neighbouring run may still be reading them).
+        drop_behind(fd, PAGE + 1, 5 * PAGE - 1, nothing)
+        assert _resident(path) == b"\1\1\0\0\1\1\1\1"
+        drop_behind(fd, 5 * PAGE, 8 * PAGE, nothing)
+        assert _resident(path) == b"\1\1\0\0\1\0\0\0"
+    finally:
+        os.close(fd)
+
+
+def test_sweep_evicts_every_page_not_cached_before(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 * PAGE))
+    _evict(path)
+    _read_pages(path, 0, 8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sweep(fd, None)
+        assert _count(_resident(path)) == 8
+        sweep(fd, b"\1\0\0\1\1\0\0\0")
+        assert _resident(path) == b"\1\0\0\1\1\0\0\0"
+    finally:
+        os.close(fd)
+
+
+def test_drop_behind_is_on_by_default_unless_one_of_several_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    assert IOConfig().drops_behind
+    assert not IOConfig(drop_behind=False).drops_behind
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert not IOConfig().drops_behind
+    assert IOConfig(drop_behind=True).drops_behind
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert IOConfig().drops_behind
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["load", "read"])
+async def test_a_cold_load_leaves_none_of_the_data_in_the_page_cache(fresh: bool, ckpt_path: Path) -> None:
+    saved = state()
+    await aiockpt.save(saved, ckpt_path, io=IO)
+    data = ckpt_path / DATA
+    _evict(data)
+    if fresh:
+        assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+    else:
+        target = state()
+        big = target["big"]
+        assert isinstance(big, torch.Tensor)
+        big.zero_()
+        await aiockpt.load(target, ckpt_path, io=IO)
+        assert_tree_equal(target, saved)
+    pages = _resident(data)
+    # At most the pages straddling the ends of the runs remain (the load's prefetch read ahead of the
+    # readers: the page-cache state it compares with was taken before it).
+    assert _count(pages) <= 8, f"{_count(pages)} of {len(pages)} pages still cached"
+
+
+@pytest.mark.parametrize("drop", [True, False])
+async def test_verify_reads_everything_and_keeps_only_what_was_cached(drop: bool, ckpt_path: Path) -> None:
+    await aiockpt.save(state(), ckpt_path, io=IO)
+    data = ckpt_path / DATA
+    _evict(data)
+    report = await aiockpt.verify(ckpt_path, io=IOConfig(threads=2, drop_behind=drop))
+    assert report.ok
+    pages = _resident(data)
+    if drop:
+        assert _count(pages) <= 8, f"{_count(pages)} of {len(pages)} pages still cached"
+    else:
+        assert _count(pages) == len(pages)
+
+
+async def test_without_drop_behind_a_load_leaves_its_data_cached(ckpt_path: Path) -> None:
+    saved = state()
+    await aiockpt.save(saved, ckpt_path, io=IO)
+    data = ckpt_path / DATA
+    _evict(data)
+    assert_tree_equal(await aiockpt.read(ckpt_path, io=IOConfig(threads=2, drop_behind=False)), saved)
+    pages = _resident(data)
+    assert _count(pages) == len(pages)
+
+
+async def test_a_load_keeps_what_was_cached_before_it(ckpt_path: Path) -> None:
+    saved = state()
+    await aiockpt.save(saved, ckpt_path, io=IO)
+    data = ckpt_path / DATA
+    # Just saved: cached, and a load (an actor following its learner) leaves it so for the next reader.
+    assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+    pages = _resident(data)
+    assert _count(pages) == len(pages)
+    # Half cached (another reader got that far): that half stays, the rest goes.
+    _evict(data)
+    half = len(pages) // 2
+    _read_pages(data, 0, half)
+    assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+    pages = _resident(data)
+    assert pages[:half] == b"\1" * half
+    assert _count(pages[half:]) <= 2
