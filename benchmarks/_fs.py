@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -97,3 +98,15 @@ def tree_bytes(root: Path) -> int:
     if root.is_file():
         return root.stat().st_size
     return sum(Path(h, n).stat().st_size for h, _, files in os.walk(root) for n in files)
+
+
+@contextlib.contextmanager
+def scratch_dir(root: str | os.PathLike[str], name: str) -> Iterator[Path]:
+    """A new, empty directory ``root/name`` (absolute) for one benchmark, removed when the block ends."""
+    path = Path(root).absolute() / name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import aiockpt
 
 from . import _limits
-from ._fs import drop_cache
+from ._fs import drop_cache, scratch_dir
 from ._lag import LagMonitor
 from ._state import build_transformer_state, byte_views, make_template, state_nbytes, touch_pages
 
@@ -115,13 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.size_gib <= 0 or args.repeat < 1 or args.gap < 0 or args.fill_gib < 0:
         parser.error("--size-gib must be > 0, --repeat >= 1, --gap and --fill-gib >= 0")
-    scratch = Path(args.dir).absolute() / "drop-behind"
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    try:
+    with scratch_dir(args.dir, "drop-behind") as scratch:
         asyncio.run(run(args.size_gib, args.repeat, args.gap, args.fill_gib, scratch))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

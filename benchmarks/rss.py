@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 
 import aiockpt
 
+from ._fs import scratch_dir
 from ._lag import LagMonitor
 
 
@@ -65,12 +65,8 @@ def main() -> None:
     parser.add_argument("--size-gib", type=float, default=0.5)
     parser.add_argument("--dir", default="bench-out")
     args = parser.parse_args()
-    scratch = Path(args.dir).absolute() / "rss"
-    shutil.rmtree(scratch, ignore_errors=True)
-    try:
+    with scratch_dir(args.dir, "rss") as scratch:
         asyncio.run(run(args.saves, args.size_gib, scratch))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

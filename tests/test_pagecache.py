@@ -100,12 +100,18 @@ def test_resident_tells_which_pages_are_cached(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def test_drop_behind_evicts_whole_pages_of_a_range_nothing_cached_before(tmp_path: Path) -> None:
+def _cached_file(tmp_path: Path, pages: int) -> Path:
+    """A file of ``pages`` pages, all of them cached (read back after they were evicted)."""
     path = tmp_path / "f"
-    path.write_bytes(os.urandom(8 * PAGE))
+    path.write_bytes(os.urandom(pages * PAGE))
     _evict(path)
-    nothing = _resident(path)
-    _read_pages(path, 0, 8)
+    _read_pages(path, 0, pages)
+    return path
+
+
+def test_drop_behind_evicts_whole_pages_of_a_range_nothing_cached_before(tmp_path: Path) -> None:
+    path = _cached_file(tmp_path, 8)
+    nothing = bytes(8)
     fd = os.open(path, os.O_RDONLY)
     try:
         # Unknown state before: nothing goes.
@@ -124,10 +130,7 @@ def test_drop_behind_evicts_whole_pages_of_a_range_nothing_cached_before(tmp_pat
 
 
 def test_sweep_evicts_every_page_not_cached_before(tmp_path: Path) -> None:
-    path = tmp_path / "f"
-    path.write_bytes(os.urandom(8 * PAGE))
-    _evict(path)
-    _read_pages(path, 0, 8)
+    path = _cached_file(tmp_path, 8)
     fd = os.open(path, os.O_RDONLY)
     try:
         sweep(fd, None)
