@@ -38,21 +38,25 @@ __all__ = [
 ]
 
 
-_Cached = dict[str, bytes | None]
+_Cached = dict[str, bytes | None] | None
 
 
 async def _manifest(
     path: Location, io: IOConfig, limiter: anyio.CapacityLimiter | None
 ) -> tuple[Manifest, _Cached]:
-    """The manifest, and what of the data files was cached before the load began (``drop_behind``)."""
+    """The manifest, and what of the data files was cached before the load began.
+
+    The second is ``None`` where the read will not evict what it read (``drop_behind`` off, direct
+    reads, object storage).
+    """
     if isinstance(path, S3Path):
         from .._storage._s3 import read_manifest as read_object_manifest
 
-        return await read_object_manifest(path), {}
+        return await read_object_manifest(path), None
 
     def read() -> tuple[Manifest, _Cached]:
         manifest = read_manifest(path)
-        cached: _Cached = {}
+        cached: _Cached = None
         if not io.direct_reads:
             if io.drops_behind:
                 cached = cached_pages(path, manifest)  # before the prefetch brings any in
@@ -83,7 +87,6 @@ async def _fill(
             plan.destinations,
             threads=io.thread_count,
             direct=io.direct_reads,
-            evict=io.drops_behind,
             cached=cached,
             limiter=limiter,
         )

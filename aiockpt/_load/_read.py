@@ -311,17 +311,15 @@ async def read_into(
     *,
     threads: int,
     direct: bool = False,
-    evict: bool = False,
     cached: Mapping[str, bytes | None] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> int:
     """Fill every destination from ``directory``'s data files; return the bytes read.
 
     ``direct`` reads through ``O_DIRECT`` where the file system allows it (see ``IOConfig.direct_reads``).
-    With ``evict``, each run read through the page cache is evicted from it once verified, unless some
-    of its pages were cached before (see ``IOConfig.drop_behind``): ``cached`` gives what
-    :func:`cached_pages` found before anything (a prefetch) read the files; files it lacks are looked
-    at when opened.
+    Given ``cached`` (what :func:`cached_pages` found before anything, such as a prefetch, read the
+    files), each run read through the page cache is evicted from it once verified, unless some of its
+    pages were cached before (see ``IOConfig.drop_behind``); a file it has no snapshot of is not evicted.
 
     Raises:
         CorruptionError: A block's checksum does not match, or a data file is missing or too short; the
@@ -348,7 +346,7 @@ async def read_into(
 
     fds: dict[str, int] = {}
     direct_fds: dict[str, int] = {}
-    # Per buffered file, its pages cached before this read (evict only); ``None``: unknown, evict nothing.
+    # Per buffered file, its pages cached before this read (with ``cached`` only); ``None``: evict nothing.
     before: dict[str, bytes | None] = {}
     work: list[deque[tuple[str, Run]]] = []
     checksums: list[tuple[int, ...]] = []
@@ -375,8 +373,8 @@ async def read_into(
                 direct_fds[name] = dfd
                 continue
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            if evict:
-                before[name] = cached[name] if cached is not None and name in cached else resident(fd, size)
+            if cached is not None:
+                before[name] = cached.get(name)
 
     def worker(abort: threading.Event) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
