@@ -29,6 +29,7 @@ import anyio.to_thread
 import msgspec
 import msgspec.structs
 
+from ._cuda import as_caller
 from ._gc import paused
 from ._options import IOConfig
 
@@ -118,8 +119,11 @@ def yield_gil() -> None:
 
 
 async def run_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
-    """Run one short blocking call in a worker thread (the event loop keeps ticking)."""
-    return await anyio.to_thread.run_sync(fn, limiter=limiter)
+    """Run one short blocking call in a worker thread (the event loop keeps ticking).
+
+    The call runs on the caller's CUDA device and streams, where a save or load noted them (see ``_cuda``).
+    """
+    return await anyio.to_thread.run_sync(as_caller(fn), limiter=limiter)
 
 
 async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
@@ -130,7 +134,7 @@ async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | Non
     a pending cancellation is delivered at the caller's next checkpoint instead.
     """
     with anyio.CancelScope(shield=True):
-        result = await anyio.to_thread.run_sync(fn, limiter=limiter)
+        result = await anyio.to_thread.run_sync(as_caller(fn), limiter=limiter)
     return result  # noqa: RET504 (mypy sees the shielded scope as able to swallow a return)
 
 

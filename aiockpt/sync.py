@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Literal, overload
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -19,6 +19,7 @@ from anyio.from_thread import BlockingPortal
 from . import _api
 from ._checkpointer import Checkpointer as AsyncCheckpointer
 from ._checkpointer import OnBusy
+from ._cuda import caller, noting
 from ._dist import DEFAULT_TIMEOUT
 from ._format import Key
 from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["Checkpointer", "SyncSaveHandle", "load", "read", "save"]
+
+T = TypeVar("T")
 
 
 def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
@@ -52,6 +55,21 @@ def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
     if isinstance(got, BaseException):
         raise got
     return got, thread
+
+
+def _as_this_thread(call: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[T]]:
+    """``call``, to run on the portal's event-loop thread as if on this one (its CUDA device and streams).
+
+    The save or load then copies GPU tensors after the work this thread enqueued on its current streams,
+    as it would when awaited on this thread (see ``_cuda``).
+    """
+    noted = caller()
+
+    async def run() -> T:
+        with noting(noted):
+            return await call()
+
+    return run
 
 
 class SyncSaveHandle:
@@ -184,16 +202,18 @@ class Checkpointer:
         """Save ``state`` as ``step``; see :meth:`aiockpt.Checkpointer.save`."""
         if async_op:
             handle = self._portal.call(
-                lambda: self._ckpt.save(state, step=step, async_op=True, metadata=metadata)
+                _as_this_thread(lambda: self._ckpt.save(state, step=step, async_op=True, metadata=metadata))
             )
             return SyncSaveHandle(handle, self._portal)
-        return self._portal.call(lambda: self._ckpt.save(state, step=step, metadata=metadata))
+        return self._portal.call(
+            _as_this_thread(lambda: self._ckpt.save(state, step=step, metadata=metadata))
+        )
 
     def load(
         self, state: MutableMapping[str, object], *, step: int | None = None, strict: bool = True
     ) -> int | None:
         """Load ``step`` (default: latest) into ``state``; see :meth:`aiockpt.Checkpointer.load`."""
-        return self._portal.call(lambda: self._ckpt.load(state, step=step, strict=strict))
+        return self._portal.call(_as_this_thread(lambda: self._ckpt.load(state, step=step, strict=strict)))
 
     def read(self, step: int | None = None) -> dict[Key, object]:
         """Read ``step`` (default: latest) as a fresh tree; see :meth:`aiockpt.Checkpointer.read`."""

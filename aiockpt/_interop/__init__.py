@@ -15,6 +15,7 @@ from typing import Literal
 
 import anyio
 
+from .._cuda import noting
 from .._format import Key
 from .._load import assign, hand_over, readable, settle
 from .._load._match import match
@@ -74,7 +75,7 @@ async def load_foreign(
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
     """Load a foreign checkpoint into ``state`` in place, with the semantics of :func:`aiockpt.load`."""
-    with responsive(io):
+    with responsive(io), noting():
         source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
         try:
             manifest, extra = await run_sync(lambda: source.shaped(state), limiter)

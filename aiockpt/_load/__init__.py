@@ -15,6 +15,7 @@ from typing import cast
 import anyio
 import torch
 
+from .._cuda import noting
 from .._errors import FormatError, StateError, StateMismatchError, StateMismatchWarning
 from .._format import Key, Manifest
 from .._options import IOConfig
@@ -157,7 +158,7 @@ async def run_load(
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state`` in place (see :func:`aiockpt.load`)."""
-    with responsive(io):
+    with responsive(io), noting():
         await _load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, limiter=limiter)
 
 

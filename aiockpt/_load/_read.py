@@ -2,8 +2,10 @@
 
 Whole-tensor chunks whose destination is a contiguous CPU tensor are read into its memory (no copy).
 Others (slices of a resharded tensor, non-contiguous or GPU targets) are read into host buffers and
-copied into place afterwards, in a worker thread. With ``direct`` reads, each run is read with
-``O_DIRECT`` into its reader's page-aligned bounce buffer instead, verified there and copied into place.
+copied into place afterwards, in a worker thread. Copies to GPU targets are enqueued on the caller's
+current stream of their device (see ``_cuda``): ordered after the caller's earlier work on them, and
+done when the load returns. With ``direct`` reads, each run is read with ``O_DIRECT`` into its
+reader's page-aligned bounce buffer instead, verified there and copied into place.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import anyio
 import crc32c
 import torch
 
+from .._cuda import cuda_devices, wait
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._gc import paused
@@ -93,7 +97,7 @@ def _plan_chunks(
     if not plain_cpu(target):
         staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype))
         keep.append(staging)
-        copies.append(lambda t=target, s=staging: t.copy_(s))  # type: ignore[misc]
+        copies.append(lambda t=target, s=staging: t.copy_(s, non_blocking=t.is_cuda))  # type: ignore[misc]
         target = staging
     for chunk in entry.chunks:
         if chunk.offsets == d_off and chunk.sizes == d_size:
@@ -126,7 +130,8 @@ def prepare(
 
     A chunk goes straight into destination memory when it is exactly the destination's box, or a run of
     whole leading-dimension rows of it (the layout of ``Shard(0)``); any other overlap is read whole into
-    a host buffer, verified, and its intersection copied into place.
+    a host buffer, verified, and its intersection copied into place. The copies end by waiting for the
+    ones to GPUs.
     """
     reads: list[_Read] = []
     copies: list[Callable[[], None]] = []
@@ -140,6 +145,9 @@ def prepare(
             _plan_chunks(index, entry, dest, reads, copies, keep)
         if dest.also:  # tied in the checkpoint, separate in the target: copied once read
             copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
+    devices = cuda_devices(t for d in destinations.values() for t in (d.tensor, *d.also))
+    if devices:
+        copies.append(partial(wait, devices))
     return reads, copies, keep
 
 

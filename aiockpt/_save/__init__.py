@@ -19,6 +19,7 @@ import anyio
 
 from .._codec import SlicedDecoder
 from .._codec import encode as sliced_encode
+from .._cuda import noting
 from .._errors import CheckpointExistsError, DistributedError, StorageError
 from .._format import MANIFEST_NAME, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, OwnerLock, remove_tree
@@ -235,7 +236,7 @@ async def run_save(
     objects are freed by reference counting when :func:`_save` returns, before it resumes, so they never
     trigger a full collection, which would hold the GIL, and so stall the event loop, for a long time.
     """
-    with responsive(req.io, lowered=True):
+    with responsive(req.io, lowered=True), noting():
         return await _save(req, world=world, pool=pool, metrics=metrics, report=report, limiter=limiter)
 
 

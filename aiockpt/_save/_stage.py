@@ -1,7 +1,8 @@
 """Stage 1, every rank: flatten the state and make its bytes safe from later mutation.
 
 With ``copy=True`` (``async_op=True``) every tensor is copied into one host staging buffer from the pool,
-in worker threads that release the GIL (GPU tensors are copied into pinned memory). When this stage
+in worker threads that release the GIL (GPU tensors are copied into pinned memory, on the caller's
+current stream of their device, so after the work the caller enqueued before the save). When this stage
 returns, the caller may mutate its state freely. With ``copy=False`` (``async_op=False``)
 contiguous CPU tensors are written straight from their own memory and only the rest is copied.
 """
@@ -16,6 +17,7 @@ from functools import partial
 import anyio
 import torch
 
+from .._cuda import cuda_devices, wait
 from .._gc import paused
 from .._memory import Claim, StagingPool, byte_view, nbytes_of, plain_cpu
 from .._options import auto_threads
@@ -122,6 +124,7 @@ class Layout:
     large: list[int]
     offsets: dict[int, int]
     total: int
+    devices: set[torch.device]
 
 
 def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -> Layout:
@@ -155,7 +158,7 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
         pos = -(-pos // _ALIGN) * _ALIGN
         offsets[i] = pos
         pos += nbytes_of(tensors[i])
-    return Layout(flat, sources, nbytes, small, large, offsets, pos)
+    return Layout(flat, sources, nbytes, small, large, offsets, pos, cuda_devices(tensors[i] for i in large))
 
 
 def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
@@ -163,7 +166,6 @@ def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
     flat, sources, tensors = layout.flat, layout.sources, layout.flat.tensors
     if not layout.offsets:
         return Staged(flat=flat, sources=sources, buffer=None, nbytes=layout.nbytes, copied=0)
-    from_gpu = claim.pinned
     fresh = claim.buffer is None
     buffer = pool.take(claim)
     try:
@@ -177,11 +179,10 @@ def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
                 jobs.append((base + off, t.data_ptr(), nbytes_of(t)))
                 continue
             dst = buffer[off : off + nbytes_of(t)].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=t.device.type == "cuda")
+            dst.copy_(t, non_blocking=t.is_cuda)
         if jobs:
             _copy_large(jobs, _copy_threads(fresh))
-        if from_gpu:
-            torch.cuda.synchronize()
+        wait(layout.devices)  # the device-to-host copies, enqueued on the caller's streams
     except BaseException:
         pool.release(buffer)
         raise
@@ -214,8 +215,7 @@ async def stage(
     layout = await run_sync(lambda: plan_stage(state, copy=copy, allow_pickle=allow_pickle), limiter)
     if not layout.offsets:
         return copy_stage(layout, pool, Claim(0, False))
-    pinned = any(layout.flat.tensors[i].device.type == "cuda" for i in layout.large)
-    claim = await pool.claim(layout.total, pinned=pinned)
+    claim = await pool.claim(layout.total, pinned=bool(layout.devices))
     try:
         return await acquire_sync(lambda: copy_stage(layout, pool, claim), limiter)
     except BaseException:

@@ -1,0 +1,272 @@
+"""GPU paths: staging from CUDA tensors into pinned memory, loading into CUDA tensors, stream order.
+
+Skipped where CUDA is not available (CI, the CPU machines); run on a GPU machine with ``pytest -m gpu``.
+The stream tests fail when a save's device-to-host copy, or a load's host-to-device copy, is enqueued on
+a worker thread's default stream instead of the caller's current stream: a kernel the caller enqueued
+before the call on a side stream then has not run yet when the copy does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from conftest import (
+    assert_tree_equal,
+    dtype_params,
+    get_dtype,
+    layouts,
+    make_model,
+    make_optimizer,
+    random_tensor,
+    snapshot,
+    tensor_at,
+    tensors_in,
+    zero_tensor,
+)
+
+import aiockpt
+import aiockpt.sync
+
+from distributed_util import run_world
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CUDA = torch.cuda.is_available()
+
+
+def on_gpu(fn: F) -> F:
+    """Mark a test ``gpu`` and skip it where CUDA is not available."""
+    marked: F = pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(fn))
+    return marked
+
+
+# GPU cycles a side-stream kernel sleeps before writing: about 0.1-0.3 s on current GPUs, far longer
+# than a copy of the few MiB these tests save takes to be enqueued and run.
+_SLEEP_CYCLES = 300_000_000
+
+
+def _stream() -> torch.cuda.Stream:
+    return torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+
+def _sleep_on_gpu() -> None:
+    """Keep the current stream busy for a while: work enqueued after this runs late."""
+    torch.cuda._sleep(_SLEEP_CYCLES)  # type: ignore[no-untyped-call]
+
+
+def _scribble(tree: object) -> None:
+    """Overwrite every byte of every tensor's storage (any dtype, any layout)."""
+    for t in tensors_in(tree):
+        torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(0x5A)
+
+
+def test_without_cuda_in_use_calls_run_unwrapped() -> None:
+    """A process that never touched CUDA notes nothing: worker calls are not wrapped at all."""
+    from aiockpt import _cuda  # here: the GPU tests also run against versions without this module
+
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        pytest.skip("CUDA is in use in this process")
+    assert _cuda.caller() is None
+
+    def fn() -> int:
+        return 1
+
+    with _cuda.noting():
+        assert _cuda.as_caller(fn) is fn
+
+
+@on_gpu
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")  # torch, on complex32
+@pytest.mark.parametrize("async_op", [False, True], ids=["durable", "async_op"])
+@pytest.mark.parametrize("name", dtype_params())
+async def test_every_dtype_and_layout_round_trips_from_and_into_gpu(
+    tmp_path: Path, name: str, async_op: bool
+) -> None:
+    dtype = get_dtype(name)
+    # The same bases drawn twice: one tree on the CPU (the expectation), one on the GPU (saved), so
+    # that the GPU tree has the same views and the comparisons need no CUDA kernel for this dtype.
+    gen_a, gen_b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    expected = layouts(lambda shape: random_tensor(dtype, shape, gen_a))
+    state = layouts(lambda shape: random_tensor(dtype, shape, gen_b).cuda())
+    expected["tied"] = [tensor_at(expected, "full"), tensor_at(expected, "full")[1:3]]
+    state["tied"] = [tensor_at(state, "full"), tensor_at(state, "full")[1:3]]  # one storage, two keys
+    path = tmp_path / "ckpt"
+    if async_op:
+        handle = await aiockpt.save(state, path, async_op=True)
+        _scribble(state)  # staged: mutating the GPU tensors must not change what is written
+        await handle
+    else:
+        await aiockpt.save(state, path)
+    read = await aiockpt.read(path)
+    assert all(t.is_cpu for t in tensors_in(read))
+    assert_tree_equal(read, expected)
+
+    target = layouts(lambda shape: zero_tensor(dtype, shape).cuda())
+    full = tensor_at(target, "full")
+    target["tied"] = [full, full[1:3]]
+    before = {id(t) for t in tensors_in(target)}
+    await aiockpt.load(target, path)
+    assert all(t.is_cuda and id(t) in before for t in tensors_in(target)), "loaded in place, on the GPU"
+    assert tensor_at(target, "tied", 1).data_ptr() == full[1:3].data_ptr()
+    assert_tree_equal(await aiockpt.read(path), expected)  # unchanged by the load
+    assert_tree_equal(target, expected)
+
+
+@on_gpu
+async def test_training_state_round_trips_on_gpu_into_fresh_objects(root: Path) -> None:
+    model = make_model(0).cuda()
+    opt = make_optimizer(model)
+    for i in range(3):
+        x = torch.randn(16, 4, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state = {"model": model, "optim": opt, "rng": torch.cuda.get_rng_state(), "step": 3}
+    expected = snapshot(state)
+    async with aiockpt.Checkpointer(root) as ckpt:
+        handle = await ckpt.save(state, step=3, async_op=True)
+        with torch.no_grad():  # the loop goes on: parameters change on the GPU while the write runs
+            for p in model.parameters():
+                p.add_(1.0)
+        await handle
+
+        fresh = make_model(1).cuda()
+        fresh_opt = make_optimizer(fresh)  # never stepped: no per-parameter state yet
+        target = {"model": fresh, "optim": fresh_opt, "rng": torch.cuda.get_rng_state(), "step": 0}
+        assert await ckpt.load(target) == 3
+    assert_tree_equal(snapshot(target), expected)
+    assert all(p.is_cuda for p in fresh.parameters())
+    exp_avg = [s["exp_avg"] for s in fresh_opt.state.values()]
+    assert exp_avg
+    assert all(t.is_cuda for t in exp_avg), "optimizer state follows its parameters"
+
+
+@on_gpu
+async def test_checkpoints_move_between_cpu_and_gpu(tmp_path: Path) -> None:
+    cpu_model = make_model(0)
+    gpu_model = make_model(1).cuda()
+    await aiockpt.save({"model": cpu_model}, tmp_path / "from-cpu")
+    await aiockpt.load({"model": gpu_model}, tmp_path / "from-cpu")
+    assert_tree_equal(gpu_model.state_dict(), cpu_model.state_dict())
+    assert all(p.is_cuda for p in gpu_model.parameters())
+
+    with torch.no_grad():
+        for p in gpu_model.parameters():
+            p.mul_(3.0)
+    await aiockpt.save({"model": gpu_model}, tmp_path / "from-gpu")
+    await aiockpt.load({"model": cpu_model}, tmp_path / "from-gpu")
+    assert_tree_equal(cpu_model.state_dict(), gpu_model.state_dict())
+
+
+@on_gpu
+async def test_staging_buffer_is_pinned_and_reused(root: Path) -> None:
+    state = {"w": torch.randn(1 << 20, device="cuda")}
+    async with aiockpt.Checkpointer(root, keep_last=5) as ckpt:
+        await ckpt.save(state, step=1)
+        pool = ckpt._pool
+        (first,) = pool._free
+        assert first.is_pinned()
+        for step in range(2, 5):
+            state["w"].add_(1.0)
+            meta = await ckpt.save(state, step=step)
+            assert meta.step == step
+            (again,) = pool._free
+            assert again.data_ptr() == first.data_ptr(), "the pinned buffer is reused, not reallocated"
+        assert torch.equal(tensor_at(await ckpt.read(4), "w"), state["w"].cpu())
+
+
+@on_gpu
+async def test_async_save_copies_after_the_callers_side_stream_work(tmp_path: Path) -> None:
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    side = _stream()
+    with torch.cuda.stream(side):
+        _sleep_on_gpu()
+        t.fill_(7.0)  # runs on the side stream only after the sleep
+        handle = await aiockpt.save({"t": t}, tmp_path / "ckpt", async_op=True)
+        t.fill_(9.0)  # staged: mutating it now must not change what is saved
+    await handle
+    saved = tensor_at(await aiockpt.read(tmp_path / "ckpt"), "t")
+    assert torch.equal(saved, torch.full_like(saved, 7.0))
+
+
+@on_gpu
+async def test_load_copies_after_pending_reads_and_is_done_on_return(tmp_path: Path) -> None:
+    await aiockpt.save({"t": torch.full((1 << 20,), 5.0)}, tmp_path / "ckpt")
+    dst = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    side = _stream()
+    with torch.cuda.stream(side):
+        _sleep_on_gpu()
+        before = dst * 1  # a pending reader of the old values, as an actor's inference would be
+        await aiockpt.load({"t": dst}, tmp_path / "ckpt")
+    other = _stream()  # no order with the side stream: sees the values only if the copy is done
+    with torch.cuda.stream(other):
+        after = dst.clone()
+    side.synchronize()
+    other.synchronize()
+    assert torch.equal(before, torch.zeros_like(before)), "the load overwrote a tensor still being read"
+    assert torch.equal(after, torch.full_like(after, 5.0)), "the load returned before its copy was done"
+
+
+@on_gpu
+def test_blocking_facade_copies_after_its_callers_side_stream(root: Path) -> None:
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    results: list[object] = []
+
+    def loop() -> None:  # a synchronous training loop on a thread of its own, on a stream of its own
+        side = _stream()
+        with aiockpt.sync.Checkpointer(root) as ckpt, torch.cuda.stream(side):
+            _sleep_on_gpu()
+            t.fill_(3.0)
+            handle = ckpt.save({"t": t}, step=1, async_op=True)
+            t.fill_(4.0)
+            handle.result()
+            results.append(ckpt.read(1))
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join(60)
+    saved = tensor_at(results[0], "t")
+    assert torch.equal(saved, torch.full_like(saved, 3.0))
+
+
+async def _save_cuda_shards(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cuda", (world,))
+    full = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
+    rows = full.shape[0] // world
+    local = full[rank * rows : (rank + 1) * rows].cuda()
+    await aiockpt.save({"w": DTensor.from_local(local, mesh, [Shard(0)], run_check=False)}, path)
+
+
+async def _load_cuda_shards(rank: int, world: int, path: str) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cuda", (world,))
+    cols = 10 // world
+    local = torch.zeros(12, cols, device="cuda")
+    target = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)  # another layout
+    await aiockpt.load({"w": target}, path)
+    expected = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)[:, rank * cols : (rank + 1) * cols]
+    assert torch.equal(local.cpu(), expected), f"rank {rank}"
+    return local.sum(dim=0).tolist()
+
+
+@on_gpu
+@pytest.mark.dist
+def test_cuda_dtensor_shards_reshard_on_load(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    run_world(_save_cuda_shards, 2, tmp_path, path)
+    run_world(_load_cuda_shards, 2, tmp_path, path)
+    full = tensor_at(aiockpt.sync.read(path), "w")
+    assert torch.equal(full, torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10))
