@@ -2,10 +2,11 @@
 
 Whole-tensor chunks whose destination is a contiguous CPU tensor are read into its memory (no copy).
 Others (slices of a resharded tensor, non-contiguous or GPU targets) are read into host buffers and
-copied into place afterwards, in a worker thread. Copies to GPU targets are enqueued on the caller's
-current stream of their device (see ``_cuda``): ordered after the caller's earlier work on them, and
-done when the load returns. With ``direct`` reads, each run is read with ``O_DIRECT`` into its
-reader's page-aligned bounce buffer instead, verified there and copied into place.
+copied into place afterwards, in a worker thread. GPU targets get theirs from one pinned buffer, and
+their copies are enqueued on the caller's current stream of their device (see ``_cuda``): ordered after
+the caller's earlier work on them, and done when the load returns. With ``direct`` reads, each run is
+read with ``O_DIRECT`` into its reader's page-aligned bounce buffer instead, verified there and copied
+into place.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ _ByFile = dict[str, list[Piece]]
 # (512 or 4096 bytes); page alignment satisfies every device.
 _DIO_ALIGN = mmap.PAGESIZE
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+# GPU destinations' host tensors start at multiples of this in their pinned buffer (any dtype's alignment).
+_ALIGN = 64
 # How much of a checkpoint's data :func:`prefetch` asks the kernel to start reading.
 PREFETCH_BYTES = 64 << 20
 _PREFETCH_STEP = 1 << 20
@@ -89,14 +92,19 @@ def _plan_chunks(
     reads: list[_Read],
     copies: list[Callable[[], None]],
     keep: list[torch.Tensor],
+    staging: torch.Tensor | None,
 ) -> None:
-    """Plan the reads of ``dest`` from every chunk of ``entry`` that overlaps it (see :func:`prepare`)."""
+    """Plan the reads of ``dest`` from every chunk of ``entry`` that overlaps it (see :func:`prepare`).
+
+    A target that cannot be read into is read into ``staging`` (or a host tensor made here) and copied.
+    """
     target = dest.tensor
     d_size = tuple(target.shape)
     d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
     if not plain_cpu(target):
-        staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype))
-        keep.append(staging)
+        if staging is None:
+            staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype))
+            keep.append(staging)
         copies.append(lambda t=target, s=staging: t.copy_(s, non_blocking=t.is_cuda))  # type: ignore[misc]
         target = staging
     for chunk in entry.chunks:
@@ -123,6 +131,35 @@ def _plan_chunks(
         reads.append(_Read(index, chunk, byte_view(buf)))
 
 
+def _pinned_staging(
+    manifest: Manifest, destinations: dict[int, Destination], keep: list[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Host tensors for the GPU destinations to be read into: cut from one pinned buffer.
+
+    Pinned memory makes each copy to the device one asynchronous DMA transfer; from pageable memory
+    CUDA copies through a small pinned buffer of its own, blocking. Empty where page-locking fails
+    (the destinations then get pageable host tensors).
+    """
+    gpu = [(i, d.tensor) for i, d in destinations.items() if d.tensor.is_cuda]
+    if not gpu:
+        return {}
+    offsets: list[int] = []
+    pos = 0
+    for _, t in gpu:
+        offsets.append(pos)
+        pos += -(-t.nbytes // _ALIGN) * _ALIGN
+    try:
+        buffer = torch.empty(pos, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return {}
+    keep.append(buffer)
+    out: dict[int, torch.Tensor] = {}
+    for (i, t), off in zip(gpu, offsets, strict=True):
+        dtype = dtype_from_name(manifest.tensors[i].dtype)  # the target's (checked by the matcher)
+        out[i] = buffer[off : off + t.nbytes].view(dtype).view(t.shape)
+    return out
+
+
 def prepare(
     manifest: Manifest, destinations: dict[int, Destination]
 ) -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor]]:
@@ -136,13 +173,14 @@ def prepare(
     reads: list[_Read] = []
     copies: list[Callable[[], None]] = []
     keep: list[torch.Tensor] = []
+    pinned = _pinned_staging(manifest, destinations, keep)
     for index, dest in destinations.items():
         entry = manifest.tensors[index]
         view = _whole_view(entry, dest)
         if view is not None:
             reads.append(_Read(index, entry.chunks[0], view))
         else:
-            _plan_chunks(index, entry, dest, reads, copies, keep)
+            _plan_chunks(index, entry, dest, reads, copies, keep, pinned.get(index))
         if dest.also:  # tied in the checkpoint, separate in the target: copied once read
             copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
     devices = cuda_devices(t for d in destinations.values() for t in (d.tensor, *d.also))
