@@ -7,14 +7,13 @@ thread's current device. aiockpt copies tensors and calls ``state_dict()`` / ``l
 worker threads, whose current device is 0 and whose current stream on every device is its default
 stream, whatever the caller set. So a save or load notes the caller's current device and its current
 streams that are not a default stream (:func:`noting`, on the calling thread), and every call it runs in
-a worker thread runs with them current (:func:`as_caller`).
+a worker thread runs with them current (:func:`as_caller`, :func:`current`).
 
 Waiting for device work is per device and up to an event recorded on its current stream (:func:`wait`),
 never ``torch.cuda.synchronize()``: in a worker thread that waits on device 0 (making a CUDA context
 there in a process that uses another GPU), and for every stream's work, not only the copies'.
 
-Without CUDA in use in the process (``torch.cuda.is_initialized()`` false: no tensor can be on a GPU),
-nothing is noted and every function here is a no-op.
+Without CUDA in use in the process (:func:`in_use`), nothing is noted and every function here is a no-op.
 """
 
 from __future__ import annotations
@@ -38,12 +37,17 @@ class Caller:
     streams: tuple[torch.cuda.Stream, ...] = ()
 
 
+def in_use() -> bool:
+    """Whether this process uses CUDA (without it, no tensor can be on a GPU)."""
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
 def caller() -> Caller | None:
     """What this thread has current, or ``None`` where CUDA is not in use in this process.
 
     Reading a device's current stream makes no CUDA context on it, so every device can be asked.
     """
-    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if not in_use():
         return None
     streams = []
     for d in range(torch.cuda.device_count()):
@@ -74,21 +78,36 @@ def noting(given: Caller | None = None) -> Iterator[None]:
         _noted.reset(token)
 
 
+def noted() -> Caller | None:
+    """What the save or load running in this context noted of its caller (on the event loop)."""
+    return _noted.get()
+
+
+@contextlib.contextmanager
+def current(noted: Caller | None) -> Iterator[None]:
+    """In a worker thread: make ``noted``'s device and streams current for the block (``None``: nothing)."""
+    if noted is None:
+        yield
+        return
+    # The device first: a stream's context on another device returns to it, and switching back to the
+    # worker's own device 0 (not in use by the caller) would make a CUDA context there.
+    with torch.cuda.device(noted.device), contextlib.ExitStack() as stack:
+        for s in noted.streams:
+            stack.enter_context(torch.cuda.stream(s))
+        yield
+
+
 def as_caller(fn: Callable[[], T]) -> Callable[[], T]:
     """``fn``, to run in a worker thread with the noted caller's device and streams current.
 
     Read on the event loop (where the note lives); ``fn`` itself is returned where there is none.
     """
-    noted = _noted.get()
-    if noted is None:
+    caller = _noted.get()
+    if caller is None:
         return fn
 
     def run() -> T:
-        # The device first: a stream's context on another device returns to it, and switching back to
-        # the worker's own device 0 (not in use by the caller) would make a CUDA context there.
-        with torch.cuda.device(noted.device), contextlib.ExitStack() as stack:
-            for s in noted.streams:
-                stack.enter_context(torch.cuda.stream(s))
+        with current(caller):
             return fn()
 
     return run

@@ -8,6 +8,7 @@ before the call on a side stream then has not run yet when the copy does.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +79,66 @@ def test_without_cuda_in_use_calls_run_unwrapped() -> None:
 
     with _cuda.noting():
         assert _cuda.as_caller(fn) is fn
+
+
+def test_device_reader_verifies_runs_and_copies_them_into_their_sinks(tmp_path: Path) -> None:
+    """The reader of GPU-bound runs, on CPU sinks: bytes land at their places, damage is reported."""
+    import crc32c
+
+    from aiockpt._load._device import DeviceReader
+    from aiockpt._runs import Piece, group, split
+
+    block = 64 << 10
+    gen = torch.Generator().manual_seed(5)
+    # Three chunks with alignment gaps between them: the first two land side by side in one sink (so the
+    # gap between them must not be copied), the third in the middle of a larger one.
+    layout = [(0, 200_000), (200_704, 150_000), (352_256, 70_000)]
+    size = layout[-1][0] + layout[-1][1]
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.numpy().tobytes())
+    first_two = torch.zeros(350_000, dtype=torch.uint8)
+    third = torch.zeros(80_000, dtype=torch.uint8)[10_000:]
+    places = [(first_two, 0), (first_two, 200_000), (third, 0)]
+    sizes = memoryview(bytearray(size))  # only lengths are taken from it
+    pieces: list[Piece] = []
+    checksums: list[tuple[int, ...]] = []
+    for item, (offset, n) in enumerate(layout):
+        pieces += split(offset, sizes[:n], item, block)
+        raw = data.numpy().tobytes()[offset : offset + n]
+        checksums.append(tuple(crc32c.crc32c(raw[i : i + block]) for i in range(0, n, block)))
+    runs = group(pieces)
+    assert len(runs) == 1, "the gaps are small: one run, three sinks"
+
+    def locate(p: Piece) -> tuple[torch.Tensor, int]:
+        sink, at = places[p.item]
+        return sink, at + p.offset - layout[p.item][0]
+
+    def landed(item: int) -> torch.Tensor:
+        sink, at = places[item]
+        return sink[at : at + layout[item][1]]
+
+    reader = DeviceReader(max(r.end - r.offset for r in runs))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert reader.read(fd, runs[0], locate, checksums) == ([], [])
+        for item, (offset, n) in enumerate(layout):
+            assert torch.equal(landed(item), data[offset : offset + n]), f"chunk {item}"
+
+        first_two.zero_()
+        third.zero_()
+        damaged = [*checksums[:1], (checksums[1][0] ^ 1, *checksums[1][1:]), *checksums[2:]]
+        short, bad = reader.read(fd, runs[0], locate, damaged)
+        assert short == []
+        assert [(p.item, p.block) for p in bad] == [(1, 0)]
+        assert not first_two.any(), "nothing of a damaged run is copied"
+        assert not third.any(), "nothing of a damaged run is copied"
+
+        past = group(split(size - 1000, sizes[:5000], 0, block))[0]  # runs past the end of the file
+        short, bad = reader.read(fd, past, locate, None)
+        assert (len(short), bad) == (1, [])
+    finally:
+        os.close(fd)
 
 
 @on_gpu

@@ -2,11 +2,12 @@
 
 Whole-tensor chunks whose destination is a contiguous CPU tensor are read into its memory (no copy).
 Others (slices of a resharded tensor, non-contiguous or GPU targets) are read into host buffers and
-copied into place afterwards, in a worker thread. GPU targets get theirs from one pinned buffer, and
-their copies are enqueued on the caller's current stream of their device (see ``_cuda``): ordered after
+copied into place afterwards, in a worker thread. Contiguous GPU targets are read through their
+reader's two small pinned buffers, and copied from there as each run is verified (see ``_device``). Copies
+to GPU targets are enqueued on the caller's current stream of their device (see ``_cuda``): ordered after
 the caller's earlier work on them, and done when the load returns. With ``direct`` reads, each run is
 read with ``O_DIRECT`` into its reader's page-aligned bounce buffer instead, verified there and copied
-into place.
+into place (runs bound for GPU targets are read through the page cache).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import anyio
 import crc32c
 import torch
 
-from .._cuda import cuda_devices, wait
+from .._cuda import cuda_devices, current, in_use, noted, wait
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._gc import paused
@@ -34,6 +35,7 @@ from .._pagecache import drop_behind, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
+from ._device import DeviceReader, sink_of
 from ._match import Destination
 
 _ByFile = dict[str, list[Piece]]
@@ -42,8 +44,6 @@ _ByFile = dict[str, list[Piece]]
 # (512 or 4096 bytes); page alignment satisfies every device.
 _DIO_ALIGN = mmap.PAGESIZE
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-# GPU destinations' host tensors start at multiples of this in their pinned buffer (any dtype's alignment).
-_ALIGN = 64
 # How much of a checkpoint's data :func:`prefetch` asks the kernel to start reading.
 PREFETCH_BYTES = 64 << 20
 _PREFETCH_STEP = 1 << 20
@@ -51,9 +51,15 @@ _PREFETCH_STEP = 1 << 20
 
 @dataclass(slots=True)
 class _Read:
+    """Chunk ``chunk`` of tensor ``tensor``, read into ``view``, or into ``sink`` (a GPU tensor's bytes).
+
+    For a ``sink`` read, ``view`` is as long as the chunk but never touched: it only sizes the read.
+    """
+
     tensor: int
     chunk: Chunk
     view: memoryview
+    sink: torch.Tensor | None = None
 
 
 def _overlap(
@@ -85,6 +91,20 @@ def _whole_view(entry: TensorEntry, dest: Destination) -> memoryview | None:
     return byte_view(dest.tensor) if plain_cpu(dest.tensor) else None
 
 
+# Sizes a read into a GPU tensor: an untouched host view of ``n`` bytes (see _Read).
+_Hold = Callable[[int], memoryview]
+
+
+def _into(
+    index: int, chunk: Chunk, part: torch.Tensor, sink: torch.Tensor | None, hold: _Hold | None
+) -> _Read:
+    """The read of ``chunk`` into ``part``: its bytes, or ``sink`` (the target's bytes at ``part``)."""
+    if sink is None:
+        return _Read(index, chunk, byte_view(part))
+    assert hold is not None  # sinks are only made where reads can be sized
+    return _Read(index, chunk, hold(part.nbytes), sink)
+
+
 def _plan_chunks(
     index: int,
     entry: TensorEntry,
@@ -92,24 +112,21 @@ def _plan_chunks(
     reads: list[_Read],
     copies: list[Callable[[], None]],
     keep: list[torch.Tensor],
-    staging: torch.Tensor | None,
+    hold: _Hold | None,
 ) -> None:
-    """Plan the reads of ``dest`` from every chunk of ``entry`` that overlaps it (see :func:`prepare`).
-
-    A target that cannot be read into is read into ``staging`` (or a host tensor made here) and copied.
-    """
+    """Plan the reads of ``dest`` from every chunk of ``entry`` that overlaps it (see :func:`prepare`)."""
     target = dest.tensor
     d_size = tuple(target.shape)
     d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
-    if not plain_cpu(target):
-        if staging is None:
-            staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype))
-            keep.append(staging)
+    sink = sink_of(target) if hold is not None else None
+    if sink is None and not plain_cpu(target):
+        staging = torch.empty(d_size, dtype=dtype_from_name(entry.dtype), device="cpu")
+        keep.append(staging)
         copies.append(lambda t=target, s=staging: t.copy_(s, non_blocking=t.is_cuda))  # type: ignore[misc]
         target = staging
     for chunk in entry.chunks:
         if chunk.offsets == d_off and chunk.sizes == d_size:
-            reads.append(_Read(index, chunk, byte_view(target)))
+            reads.append(_into(index, chunk, target, sink, hold))
             continue
         inter = _overlap(chunk.offsets, chunk.sizes, d_off, d_size)
         if inter is None:
@@ -121,9 +138,11 @@ def _plan_chunks(
             and (inter[0] == (chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]))
         ):
             start = chunk.offsets[0] - d_off[0]
-            reads.append(_Read(index, chunk, byte_view(target[start : start + chunk.sizes[0]])))
+            rows = target[start : start + chunk.sizes[0]]
+            at = start * (target.nbytes // d_size[0])
+            reads.append(_into(index, chunk, rows, None if sink is None else sink[at:], hold))
             continue
-        buf = torch.empty(chunk.sizes, dtype=target.dtype)
+        buf = torch.empty(chunk.sizes, dtype=target.dtype, device="cpu")
         keep.append(buf)
         src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, chunk.offsets, strict=True))
         dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
@@ -131,59 +150,41 @@ def _plan_chunks(
         reads.append(_Read(index, chunk, byte_view(buf)))
 
 
-def _pinned_staging(
-    manifest: Manifest, destinations: dict[int, Destination], keep: list[torch.Tensor]
-) -> dict[int, torch.Tensor]:
-    """Host tensors for the GPU destinations to be read into: cut from one pinned buffer.
-
-    Pinned memory makes each copy to the device one asynchronous DMA transfer; from pageable memory
-    CUDA copies through a small pinned buffer of its own, blocking. Empty where page-locking fails
-    (the destinations then get pageable host tensors).
-    """
-    gpu = [(i, d.tensor) for i, d in destinations.items() if d.tensor.is_cuda]
-    if not gpu:
-        return {}
-    offsets: list[int] = []
-    pos = 0
-    for _, t in gpu:
-        offsets.append(pos)
-        pos += -(-t.nbytes // _ALIGN) * _ALIGN
-    try:
-        buffer = torch.empty(pos, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError:
-        return {}
-    keep.append(buffer)
-    out: dict[int, torch.Tensor] = {}
-    for (i, t), off in zip(gpu, offsets, strict=True):
-        dtype = dtype_from_name(manifest.tensors[i].dtype)  # the target's (checked by the matcher)
-        out[i] = buffer[off : off + t.nbytes].view(dtype).view(t.shape)
-    return out
-
-
 def prepare(
-    manifest: Manifest, destinations: dict[int, Destination]
+    manifest: Manifest, destinations: dict[int, Destination], *, sinks: bool = False
 ) -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor]]:
     """Plan the reads of every destination; return the reads, the copies to run after them, and buffers.
 
     A chunk goes straight into destination memory when it is exactly the destination's box, or a run of
     whole leading-dimension rows of it (the layout of ``Shard(0)``); any other overlap is read whole into
-    a host buffer, verified, and its intersection copied into place. The copies end by waiting for the
-    ones to GPUs.
+    a host buffer, verified, and its intersection copied into place. With ``sinks`` (readers that can
+    copy to the device, see ``_device``), the same two cases of a contiguous GPU target are reads into
+    the target's bytes; otherwise a GPU target gets a host tensor of its shape, copied after the reads.
+    The copies end by waiting for every copy to a GPU.
     """
     reads: list[_Read] = []
     copies: list[Callable[[], None]] = []
     keep: list[torch.Tensor] = []
-    pinned = _pinned_staging(manifest, destinations, keep)
+    devices: set[torch.device] = set()
+    hold: _Hold | None = None
+    if in_use():  # (without CUDA in use no tensor is on a GPU: loads of 10^4 tensors skip these passes)
+        devices = cuda_devices(t for d in destinations.values() for t in (d.tensor, *d.also))
+        longest = max((d.tensor.nbytes for d in destinations.values() if d.tensor.is_cuda), default=0)
+        if sinks and longest:
+            # Never written (pages of an untouched allocation cost nothing): it only sizes sink reads.
+            sizer = torch.empty(longest, dtype=torch.uint8, device="cpu")
+            keep.append(sizer)
+            sizes = byte_view(sizer)
+            hold = lambda n: sizes[:n]  # noqa: E731
     for index, dest in destinations.items():
         entry = manifest.tensors[index]
         view = _whole_view(entry, dest)
         if view is not None:
             reads.append(_Read(index, entry.chunks[0], view))
         else:
-            _plan_chunks(index, entry, dest, reads, copies, keep, pinned.get(index))
+            _plan_chunks(index, entry, dest, reads, copies, keep, hold)
         if dest.also:  # tied in the checkpoint, separate in the target: copied once read
             copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
-    devices = cuda_devices(t for d in destinations.values() for t in (d.tensor, *d.also))
     if devices:
         copies.append(partial(wait, devices))
     return reads, copies, keep
@@ -378,15 +379,20 @@ async def read_into(
 
     def plan_reads() -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor], _ByFile, int]:
         with paused():
-            reads, copies, keep = prepare(manifest, destinations)
+            reads, copies, keep = prepare(manifest, destinations, sinks=True)
             checksums.extend(r.chunk.checksums for r in reads)
             by_file: dict[str, list[Piece]] = {}
+            sunk: dict[str, list[Piece]] = {}  # bound for GPU tensors: in runs of their own
             for i, r in enumerate(reads):
-                by_file.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
+                into = by_file if r.sink is None else sunk
+                into.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
             jobs: list[tuple[str, Run]] = []
-            for name, pieces in by_file.items():
-                pieces.sort(key=lambda p: p.offset)
-                jobs.extend((name, run) for run in group(pieces))
+            for pieces_of in (by_file, sunk):
+                for name, pieces in pieces_of.items():
+                    pieces.sort(key=lambda p: p.offset)
+                    jobs.extend((name, run) for run in group(pieces))
+            for name, pieces in sunk.items():  # every file's pieces together, to open and size it
+                by_file.setdefault(name, []).extend(pieces)
             work.extend(lanes(jobs, threads, lambda job: job[1].end - job[1].offset))
         return reads, copies, keep, by_file, sum(len(r.view) for r in reads)
 
@@ -396,6 +402,7 @@ async def read_into(
     before: dict[str, bytes | None] = {}
     work: list[deque[tuple[str, Run]]] = []
     checksums: list[tuple[int, ...]] = []
+    caller = noted()
     reads, copies, keep, by_file, total = await run_sync(plan_reads, limiter)
 
     def corrupt(r: _Read, what: str) -> CorruptionError:
@@ -422,21 +429,38 @@ async def read_into(
             if cached is not None:
                 before[name] = cached.get(name)
 
+    def to_sink(p: Piece) -> tuple[torch.Tensor, int]:
+        r = reads[p.item]
+        assert r.sink is not None
+        return r.sink, p.offset - r.chunk.offset
+
+    def sunk(run: Run) -> bool:
+        return reads[run.pieces[0].item].sink is not None
+
     def worker(abort: threading.Event) -> None:
+        with current(caller):  # copies to GPU tensors go on the caller's streams
+            read_lane(abort, work.pop())
+
+    def read_lane(abort: threading.Event, lane: deque[tuple[str, Run]]) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
-        lane = work.pop()
-        spans = (_dio_span(run) for name, run in lane if name in direct_fds)
+        spans = (_dio_span(run) for name, run in lane if name in direct_fds and not sunk(run))
         span = max((stop - start for start, stop in spans), default=0)
         # Anonymous mappings are page-aligned; one per reader, reused for every run of its lane.
         bounce = memoryview(mmap.mmap(-1, span)) if span else scratch
         address = ctypes.addressof(ctypes.c_char.from_buffer(bounce)) if span else 0
+        longest = max((run.end - run.offset for _, run in lane if sunk(run)), default=0)
+        device = DeviceReader(longest) if longest else None
         sums = checksums if verify else None
         while lane:
             if abort.is_set():
                 raise Aborted
             name, run = lane.popleft()
             dfd = direct_fds.get(name)
-            if dfd is None:
+            if device is not None and sunk(run):
+                short, bad = device.read(fds[name], run, to_sink, sums)
+                if name in before and not (short or bad):
+                    drop_behind(fds[name], run.offset, run.end, before[name])
+            elif dfd is None:
                 short, bad = read_checked(fds[name], run, scratch, sums)
                 if name in before and not (short or bad):
                     drop_behind(fds[name], run.offset, run.end, before[name])
