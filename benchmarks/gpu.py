@@ -1,6 +1,7 @@
 """GPU benchmark: saving a state that lives on a CUDA device, and loading a checkpoint back into one.
 
-    python -m benchmarks.gpu [--size-gib 2] [--repeat 3] [--dir ./bench-out] [--only limits,aiockpt,torch,dcp]
+    python -m benchmarks.gpu [--size-gib 2] [--repeat 3] [--dir ./bench-out]
+                             [--only limits,aiockpt,fresh,torch,dcp]
 
 State A of the main suite (bf16 matrices and fp32 vectors) on ``cuda:0``. In the same run, on the same
 state, each case timed ``--repeat`` times while a sibling task measures the event loop's lag:
@@ -10,7 +11,8 @@ state, each case timed ``--repeat`` times while a sibling task measures the even
   cold sequential read (1 thread) of the same bytes;
 - aiockpt: ``save`` (durable), a Checkpointer's ``save(async_op=True)`` (the time until the state may be
   mutated, first and with reused staging, and until durable), ``load`` in place into the GPU tensors
-  with a cold page cache;
+  with a cold page cache; ``fresh``: the first and the second such load of a new process (the first
+  allocates what later loads of the process reuse; the loop lag is not measured there);
 - ``torch.save`` (+ fsync) and ``torch.load(mmap=True)`` copied into the GPU tensors;
 - DCP ``save`` (4 writer threads) and ``load`` into the GPU tensors.
 
@@ -24,6 +26,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,7 +43,7 @@ from ._lag import LagMonitor
 from ._limits import cold_read, fsync_write
 from ._state import State, build_transformer_state, byte_views, state_nbytes
 
-_GROUPS = ("limits", "aiockpt", "torch", "dcp")
+_GROUPS = ("limits", "aiockpt", "fresh", "torch", "dcp")
 
 
 @dataclass
@@ -190,6 +193,45 @@ async def _aiockpt(b: Bench) -> None:
     remove(b.scratch / "aiockpt-root")
 
 
+def _child_load(path: Path, shapes: Path) -> None:
+    """In a new process: make the GPU template, then time two cold loads of ``path`` into it (JSON out)."""
+    spec = json.loads(shapes.read_text())
+    template: dict[str, object] = {
+        k: torch.zeros(shape, dtype=getattr(torch, dtype), device="cuda")
+        for k, (shape, dtype) in spec.items()
+    }
+    _sync()
+    seconds = []
+    for _ in range(2):
+        drop_cache(path)
+        start = time.perf_counter()
+        asyncio.run(aiockpt.load(template, path))
+        seconds.append(time.perf_counter() - start)
+    print(json.dumps(seconds))
+
+
+async def _fresh(b: Bench) -> None:
+    """The first load of a new process (which allocates what a load reuses later), and its second."""
+    path = b.scratch / "aiockpt-fresh"
+    remove(path)
+    await aiockpt.save(dict(b.state), path)
+    shapes = b.scratch / "shapes.json"
+    spec = {k: (list(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in b.state.items()}
+    shapes.write_text(json.dumps(spec))
+    for _ in range(b.repeat):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "benchmarks.gpu", "--child-load", str(path), str(shapes),
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await proc.communicate()
+        first, second = json.loads(out.decode().strip().splitlines()[-1])
+        for name, seconds in (("first", first), ("second", second)):
+            case = b.cases.setdefault(f"aiockpt: load into GPU, {name} in a new process (cold)", Case())
+            case.seconds.append(seconds)
+            print(f"  {name} load in a new process: {seconds:.3f} s", flush=True)
+    remove(path)
+
+
 def _then_sync(fn: Callable[[], None]) -> Callable[[], Awaitable[None]]:
     """``fn`` in a worker thread, then a wait for the device work it enqueued."""
 
@@ -256,6 +298,8 @@ async def run(args: argparse.Namespace, scratch: Path) -> Cases:
             empty_host_cache()
     if "aiockpt" in groups:
         await _aiockpt(b)
+    if "fresh" in groups:
+        await _fresh(b)
     if "torch" in groups:
         await _torch(b)
     if "dcp" in groups:
@@ -271,7 +315,11 @@ def main() -> None:
     parser.add_argument("--dir", default="bench-out")
     parser.add_argument("--only", default=",".join(_GROUPS), help=f"comma-separated of {', '.join(_GROUPS)}")
     parser.add_argument("--json", help="also write the seconds and lag of every case to this file")
+    parser.add_argument("--child-load", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child_load:
+        _child_load(*args.child_load)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu needs a CUDA device")
     if unknown := set(args.only.split(",")) - set(_GROUPS):
