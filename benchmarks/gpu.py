@@ -217,7 +217,7 @@ async def _fresh(b: Bench) -> None:
     await aiockpt.save(dict(b.state), path)
     shapes = b.scratch / "shapes.json"
     spec = {k: (list(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in b.state.items()}
-    shapes.write_text(json.dumps(spec))
+    await asyncio.to_thread(shapes.write_text, json.dumps(spec))
     for _ in range(b.repeat):
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "benchmarks.gpu", "--child-load", str(path), str(shapes),

@@ -175,7 +175,10 @@ def prepare(
             sizer = torch.empty(longest, dtype=torch.uint8, device="cpu")
             keep.append(sizer)
             sizes = byte_view(sizer)
-            hold = lambda n: sizes[:n]  # noqa: E731
+
+            def hold(n: int) -> memoryview:
+                return sizes[:n]
+
     for index, dest in destinations.items():
         entry = manifest.tensors[index]
         view = _whole_view(entry, dest)
@@ -382,16 +385,16 @@ async def read_into(
             reads, copies, keep = prepare(manifest, destinations, sinks=True)
             checksums.extend(r.chunk.checksums for r in reads)
             by_file: dict[str, list[Piece]] = {}
-            sunk: dict[str, list[Piece]] = {}  # bound for GPU tensors: in runs of their own
+            to_gpu: dict[str, list[Piece]] = {}  # bound for GPU tensors: in runs of their own
             for i, r in enumerate(reads):
-                into = by_file if r.sink is None else sunk
+                into = by_file if r.sink is None else to_gpu
                 into.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
             jobs: list[tuple[str, Run]] = []
-            for pieces_of in (by_file, sunk):
+            for pieces_of in (by_file, to_gpu):
                 for name, pieces in pieces_of.items():
                     pieces.sort(key=lambda p: p.offset)
                     jobs.extend((name, run) for run in group(pieces))
-            for name, pieces in sunk.items():  # every file's pieces together, to open and size it
+            for name, pieces in to_gpu.items():  # every file's pieces together, to open and size it
                 by_file.setdefault(name, []).extend(pieces)
             work.extend(lanes(jobs, threads, lambda job: job[1].end - job[1].offset))
         return reads, copies, keep, by_file, sum(len(r.view) for r in reads)
@@ -434,7 +437,7 @@ async def read_into(
         assert r.sink is not None
         return r.sink, p.offset - r.chunk.offset
 
-    def sunk(run: Run) -> bool:
+    def on_gpu(run: Run) -> bool:
         return reads[run.pieces[0].item].sink is not None
 
     def worker(abort: threading.Event) -> None:
@@ -443,12 +446,12 @@ async def read_into(
 
     def read_lane(abort: threading.Event, lane: deque[tuple[str, Run]]) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
-        spans = (_dio_span(run) for name, run in lane if name in direct_fds and not sunk(run))
+        spans = (_dio_span(run) for name, run in lane if name in direct_fds and not on_gpu(run))
         span = max((stop - start for start, stop in spans), default=0)
         # Anonymous mappings are page-aligned; one per reader, reused for every run of its lane.
         bounce = memoryview(mmap.mmap(-1, span)) if span else scratch
         address = ctypes.addressof(ctypes.c_char.from_buffer(bounce)) if span else 0
-        longest = max((run.end - run.offset for _, run in lane if sunk(run)), default=0)
+        longest = max((run.end - run.offset for _, run in lane if on_gpu(run)), default=0)
         device = DeviceReader(longest) if longest else None
         sums = checksums if verify else None
         while lane:
@@ -456,20 +459,18 @@ async def read_into(
                 raise Aborted
             name, run = lane.popleft()
             dfd = direct_fds.get(name)
-            if device is not None and sunk(run):
+            if device is not None and on_gpu(run):  # through the page cache, also with direct reads
                 short, bad = device.read(fds[name], run, to_sink, sums)
-                if name in before and not (short or bad):
-                    drop_behind(fds[name], run.offset, run.end, before[name])
             elif dfd is None:
                 short, bad = read_checked(fds[name], run, scratch, sums)
-                if name in before and not (short or bad):
-                    drop_behind(fds[name], run.offset, run.end, before[name])
             else:
                 short, bad = read_checked_direct(dfd, run, bounce, address, sums)
             if short:
                 raise corrupt(reads[short[0].item], "data file is truncated")
             if bad:
                 raise corrupt(reads[bad[0].item], f"checksum mismatch in block {bad[0].block}")
+            if name in before:  # (only buffered files have a snapshot)
+                drop_behind(fds[name], run.offset, run.end, before[name])
 
     try:
         await run_sync(open_files, limiter)
