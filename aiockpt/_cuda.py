@@ -113,12 +113,17 @@ def as_caller(fn: Callable[[], T]) -> Callable[[], T]:
     return run
 
 
+def record(device: torch.device) -> torch.cuda.Event:
+    """An event after the work enqueued so far on ``device``'s current stream."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def wait(devices: Iterable[torch.device]) -> None:
     """Block until the work enqueued so far on the current stream of each of ``devices`` is done."""
     for device in devices:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(device))
-        event.synchronize()
+        record(device).synchronize()
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:

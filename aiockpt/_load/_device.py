@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import crc32c
 import torch
 
+from .._cuda import cuda_devices, record
 from .._memory import byte_view
 from .._runs import Piece, Run
 
@@ -97,31 +98,20 @@ class DeviceReader:
 
     def _copy_out(self, k: int, run: Run, locate: Locate) -> list[torch.cuda.Event]:
         """Enqueue the copies of buffer ``k``'s pieces; consecutive pieces of one sink go in one copy."""
-        buffer = self._buffers[k]
-        devices: set[torch.device] = set()
-        pending: tuple[torch.Tensor, int, int, int] | None = None  # sink, position, buffer offset, bytes
+        spans: list[tuple[torch.Tensor, int, int, int]] = []  # sink, position, buffer offset, bytes
         for p in run.pieces:
             n = len(p.view)
             if not n:
                 continue
             sink, pos = locate(p)
             at = p.offset - run.offset
-            if pending is not None:
-                s, q, a, m = pending
+            if spans:
+                s, q, a, m = spans[-1]
                 if s is sink and q + m == pos and a + m == at:
-                    pending = (s, q, a, m + n)
+                    spans[-1] = (s, q, a, m + n)
                     continue
-                s[q : q + m].copy_(buffer[a : a + m], non_blocking=True)
-                devices.add(s.device)
-            pending = (sink, pos, at, n)
-        if pending is not None:
-            s, q, a, m = pending
+            spans.append((sink, pos, at, n))
+        buffer = self._buffers[k]
+        for s, q, a, m in spans:
             s[q : q + m].copy_(buffer[a : a + m], non_blocking=True)
-            devices.add(s.device)
-        events = []
-        for device in devices:
-            if device.type == "cuda":
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(torch.cuda.current_stream(device))
-                events.append(event)
-        return events
+        return [record(d) for d in cuda_devices(s for s, _, _, _ in spans)]
