@@ -17,7 +17,9 @@ import contextlib
 import ctypes
 import mmap
 import os
+import platform
 import re
+import sys
 
 PAGE = mmap.PAGESIZE
 
@@ -44,14 +46,60 @@ _CALLS = _libc_calls()
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _UNCACHED = re.compile(rb"\0+")
 # Pages of a residency map scanned per regex call (64 MiB of file with 4 KiB pages): each call holds the
-# GIL, and a 100 GiB file's map is 26 MB.
+# GIL, and a 100 GiB file's map is 26 MB. Also the stretch of file :func:`resident` counts per call.
 _SCAN_PAGES = 1 << 14
+
+# cachestat(2) (Linux 6.5): how many pages of a file range are cached, found by walking only the pages
+# the cache holds. Its number is the same on every architecture that numbers new calls uniformly.
+_CACHESTAT_NR = 451 if sys.platform == "linux" and platform.machine() in {"x86_64", "aarch64"} else None
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+def _syscall() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if _CACHESTAT_NR is None:
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    call.restype = ctypes.c_long
+    return call
+
+
+_SYSCALL = _syscall()
+
+
+def _cached_count(fd: int, start: int, length: int) -> int | None:
+    """How many pages of ``fd`` in ``[start, start + length)`` the page cache holds, or ``None`` if unknown.
+
+    ``None`` where ``cachestat`` is missing (kernels before 6.5, other platforms, a seccomp filter that
+    refuses it: a failing call costs a microsecond) or refuses the file.
+    """
+    if _SYSCALL is None:
+        return None
+    stat = _Stat()
+    if _SYSCALL(_CACHESTAT_NR, fd, ctypes.byref(_Range(start, length)), ctypes.byref(stat), 0) != 0:
+        return None
+    return int(stat.nr_cache)
 
 
 def resident(fd: int, size: int) -> bytes | None:
     """One byte per page of the first ``size`` bytes of ``fd``: nonzero where the page cache holds it now.
 
-    Maps the file without touching it and asks ``mincore``; no page is read or faulted in. Returns
+    Maps the file without touching it and asks ``mincore``; no page is read or faulted in. ``mincore``
+    looks up every page (23 ms for a cold 2 GiB file here, growing with the size), so stretches of
+    :data:`_SCAN_PAGES` pages are first counted with ``cachestat``, which walks only the cached ones
+    (0.01 ms for that file): only stretches that are partly cached are looked up page by page. Returns
     ``None`` where this cannot be told (no ``mincore`` or ``posix_fadvise``, or a file that refuses to be
     mapped, such as some FUSE and network file systems).
     """
@@ -59,15 +107,28 @@ def resident(fd: int, size: int) -> bytes | None:
         return None
     if size <= 0:
         return b""
+    pages = -(-size // PAGE)
+    cached = _cached_count(fd, 0, size)
+    if cached == 0:  # the common case of a cold checkpoint, and of one evicted before its load
+        return bytes(pages)
+    if cached == pages:
+        return b"\1" * pages
     mmap_, mincore, munmap = _CALLS
     addr = mmap_(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         return None
     try:
-        vec = bytearray(-(-size // PAGE))
-        buf = (ctypes.c_ubyte * len(vec)).from_buffer(vec)
-        if mincore(addr, size, buf) != 0:
-            return None
+        vec = bytearray(pages)
+        buf = (ctypes.c_ubyte * pages).from_buffer(vec)
+        step = _SCAN_PAGES * PAGE
+        for lo in range(0, size, step):
+            n = min(step, size - lo)
+            count = None if cached is None else _cached_count(fd, lo, n)
+            first, stop = lo // PAGE, -(-(lo + n) // PAGE)
+            if count == stop - first:
+                vec[first:stop] = b"\1" * (stop - first)
+            elif count != 0 and mincore(addr + lo, n, ctypes.byref(buf, first)) != 0:
+                return None
         del buf  # releases the export, so that ``vec`` can be converted
         return bytes(vec)
     finally:

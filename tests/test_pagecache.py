@@ -10,7 +10,7 @@ import torch
 from conftest import assert_tree_equal
 
 import aiockpt
-from aiockpt import IOConfig
+from aiockpt import IOConfig, _pagecache
 from aiockpt._pagecache import PAGE, drop_behind, resident, sweep
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,7 +56,17 @@ def _read_pages(path: Path, first: int, stop: int) -> None:
 
 @pytest.fixture(autouse=True)
 def _evictable(tmp_path: Path) -> None:
-    """Skip where the temporary directory's pages cannot be told apart or evicted (tmpfs, not Linux)."""
+    """Skip where the temporary directory's pages cannot be told apart or evicted (tmpfs, not Linux).
+
+    Probed page by page (``mincore`` only), so that a fault in ``resident``'s use of ``cachestat`` fails
+    the tests below instead of skipping them.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_pagecache, "_SYSCALL", None)
+        _probe(tmp_path)
+
+
+def _probe(tmp_path: Path) -> None:
     probe = tmp_path / "probe"
     probe.write_bytes(b"x" * 4 * PAGE)
     if not hasattr(os, "posix_fadvise"):
@@ -96,6 +106,49 @@ def test_resident_tells_which_pages_are_cached(tmp_path: Path) -> None:
     try:
         assert resident(fd, 0) == b""
         assert resident(fd, 3 * PAGE + 1) == b"\0\0\1\1"  # only the pages asked about
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cachestat", [True, False], ids=["cachestat", "mincore-only"])
+def test_resident_counts_stretches_then_looks_up_mixed_ones(
+    cachestat: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_pagecache, "_SCAN_PAGES", 4)  # stretches of 4 pages: 13 pages make 4 of them
+    if not cachestat:
+        monkeypatch.setattr(_pagecache, "_SYSCALL", None)  # a kernel without cachestat
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(12 * PAGE + 100))
+    _evict(path)
+    _read_pages(path, 0, 4)  # a whole stretch
+    _read_pages(path, 9, 11)  # part of one
+    _read_pages(path, 12, 13)  # the last, short one
+    assert _resident(path) == b"\1\1\1\1\0\0\0\0\0\1\1\0\1"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert resident(fd, 10 * PAGE) == b"\1\1\1\1\0\0\0\0\0\1"
+    finally:
+        os.close(fd)
+
+
+def test_resident_of_a_cold_or_wholly_cached_file_looks_up_no_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _cached_file(tmp_path, 9)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _pagecache._cached_count(fd, 0, 9 * PAGE) is None:
+            pytest.skip("this kernel has no cachestat (Linux 6.5)")
+        assert _pagecache._cached_count(fd, PAGE, 3 * PAGE) == 3
+
+        def refuse(*_: object) -> None:
+            raise AssertionError("mapped the file to look up its pages one by one")
+
+        assert _pagecache._CALLS is not None
+        monkeypatch.setattr(_pagecache, "_CALLS", (refuse, *_pagecache._CALLS[1:]))
+        assert resident(fd, 9 * PAGE) == b"\1" * 9
+        _evict(path)
+        assert resident(fd, 9 * PAGE) == bytes(9)
     finally:
         os.close(fd)
 
