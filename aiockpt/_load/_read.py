@@ -18,6 +18,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,7 @@ from .._pagecache import drop_behind, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
+from ._checker import Checker, checker_cpus, pinned, wants_checker
 from ._device import DeviceReader, sink_of
 from ._match import Destination
 
@@ -215,14 +217,14 @@ def read_checked(
         The pieces the file ended before (truncated), and the pieces whose checksum does not match.
     """
     end = run.offset + read_run(fd, run, scratch)
-    short: list[Piece] = []
-    bad: list[Piece] = []
-    for p in run.pieces:
-        if p.offset + len(p.view) > end:
-            short.append(p)
-        elif checksums is not None and crc32c.crc32c(p.view) != checksums[p.item][p.block]:
-            bad.append(p)
-    return short, bad
+    whole = [p for p in run.pieces if p.offset + len(p.view) <= end]
+    short = [p for p in run.pieces if p.offset + len(p.view) > end]
+    return short, [] if checksums is None else mismatched(whole, checksums)
+
+
+def mismatched(pieces: Iterable[Piece], checksums: Sequence[tuple[int, ...]]) -> list[Piece]:
+    """The pieces whose bytes do not match ``checksums[piece.item][piece.block]``."""
+    return [p for p in pieces if crc32c.crc32c(p.view) != checksums[p.item][p.block]]
 
 
 def _dio_span(run: Run) -> tuple[int, int]:
@@ -440,11 +442,29 @@ async def read_into(
     def on_gpu(run: Run) -> bool:
         return reads[run.pieces[0].item].sink is not None
 
-    def worker(abort: threading.Event) -> None:
-        with current(caller):  # copies to GPU tensors go on the caller's streams
-            read_lane(abort, work.pop())
+    def to_checker(name: str, run: Run) -> bool:
+        return verify and name not in direct_fds and not on_gpu(run) and wants_checker(run)
 
-    def read_lane(abort: threading.Event, lane: deque[tuple[str, Run]]) -> None:
+    def worker(abort: threading.Event) -> None:
+        lane = work.pop()
+        cpu = cpus[len(work)] if cpus else None  # (the list stays whole: its CPUs are released after)
+        checker: AbstractContextManager[Checker | None] = nullcontext()
+        if cpus is not None and any(to_checker(name, run) for name, run in lane):
+            checker = Checker(cpu, abort)
+        else:
+            cpu = None  # the reader checks every run itself, wherever the kernel runs it
+        # Copies to GPU tensors go on the caller's streams.
+        with current(caller), pinned(cpu), checker as check:
+            read_lane(abort, lane, check)
+
+    def checked(name: str, run: Run) -> None:
+        bad = mismatched(run.pieces, checksums)
+        if bad:
+            raise corrupt(reads[bad[0].item], f"checksum mismatch in block {bad[0].block}")
+        if name in before:
+            drop_behind(fds[name], run.offset, run.end, before[name])
+
+    def read_lane(abort: threading.Event, lane: deque[tuple[str, Run]], check: Checker | None) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
         spans = (_dio_span(run) for name, run in lane if name in direct_fds and not on_gpu(run))
         span = max((stop - start for start, stop in spans), default=0)
@@ -461,6 +481,12 @@ async def read_into(
             dfd = direct_fds.get(name)
             if device is not None and on_gpu(run):  # through the page cache, also with direct reads
                 short, bad = device.read(fds[name], run, to_sink, sums)
+            elif check is not None and to_checker(name, run):
+                short, _ = read_checked(fds[name], run, scratch, None)
+                if short:
+                    raise corrupt(reads[short[0].item], "data file is truncated")
+                check.put(partial(checked, name, run))
+                continue
             elif dfd is None:
                 short, bad = read_checked(fds[name], run, scratch, sums)
             else:
@@ -475,7 +501,8 @@ async def read_into(
     try:
         await run_sync(open_files, limiter)
         if work:
-            await run_workers(worker, len(work), limiter)
+            with checker_cpus(len(work)) as cpus:  # here, on the event loop's thread
+                await run_workers(worker, len(work), limiter)
         if copies:
             await run_sync(lambda: _run_all(copies), limiter)
     except OSError as exc:
