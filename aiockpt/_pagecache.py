@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import sys
+import time
 
 PAGE = mmap.PAGESIZE
 
@@ -48,6 +49,8 @@ _UNCACHED = re.compile(rb"\0+")
 # Pages of a residency map scanned per regex call (64 MiB of file with 4 KiB pages): each call holds the
 # GIL, and a 100 GiB file's map is 26 MB. Also the stretch of file :func:`resident` counts per call.
 _SCAN_PAGES = 1 << 14
+# How long :func:`sweep` goes on evicting pages that in-flight readahead brings in after the reads end.
+_SETTLE = 0.02
 
 # cachestat(2) (Linux 6.5): how many pages of a file range are cached, found by walking only the pages
 # the cache holds. Its number is the same on every architecture that numbers new calls uniformly.
@@ -158,11 +161,21 @@ def sweep(fd: int, before: bytes | None) -> None:
     Readahead runs past what a reader asked for: into the range of the next reader's lane, which may have
     evicted it already, or past the last byte a load needed. One call per stretch of pages that were not
     cached before, within slices of :data:`_SCAN_PAGES` (one call per 64 MiB of a file that was cold).
+    Pages whose read is still in flight are locked, and eviction passes over them: where ``cachestat``
+    tells that more pages are cached than were before, the eviction is repeated a few times, a
+    millisecond apart, for up to :data:`_SETTLE` seconds.
     """
     if before is None:
         return
+    had = len(before) - before.count(0)
+    deadline = time.monotonic() + _SETTLE
     with contextlib.suppress(OSError):
-        for lo in range(0, len(before), _SCAN_PAGES):
-            for m in _UNCACHED.finditer(before, lo, lo + _SCAN_PAGES):
-                start, stop = m.span()
-                os.posix_fadvise(fd, start * PAGE, (stop - start) * PAGE, os.POSIX_FADV_DONTNEED)
+        while True:
+            for lo in range(0, len(before), _SCAN_PAGES):
+                for m in _UNCACHED.finditer(before, lo, lo + _SCAN_PAGES):
+                    start, stop = m.span()
+                    os.posix_fadvise(fd, start * PAGE, (stop - start) * PAGE, os.POSIX_FADV_DONTNEED)
+            now = _cached_count(fd, 0, len(before) * PAGE)
+            if now is None or now <= had or time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)
