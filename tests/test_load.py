@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
 from itertools import pairwise
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -388,72 +386,3 @@ async def test_in_place_load_into_tensors_that_share_nothing_but_shape(ckpt_path
     await aiockpt.load(target, ckpt_path)
     assert_tree_equal(target, state)
     assert {k: tensor_at(target, k).data_ptr() for k in target} == ptrs
-
-
-@pytest.mark.parametrize(
-    ("sizes", "hinted"),
-    [
-        ((5 << 30,), 64 << 20),  # a large file: its first PREFETCH_BYTES
-        ((3 * (1 << 20) + 123,), 3 * (1 << 20) + 123),  # a small one: all of it
-        ((1 << 20, 1 << 20), 0),  # several ranks' files: none
-    ],
-)
-def test_prefetch_hints_the_head_of_a_single_data_file(
-    sizes: tuple[int, ...], hinted: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import importlib
-
-    from aiockpt._format import FileInfo
-
-    _read = importlib.import_module("aiockpt._load._read")
-    assert _read.PREFETCH_BYTES == 64 << 20
-    files = tuple(FileInfo(name=f"data-{i}.bin", nbytes=n) for i, n in enumerate(sizes))
-    for info in files:
-        (tmp_path / info.name).write_bytes(b"")
-    calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
-    _read.prefetch(tmp_path, SimpleNamespace(files=files))
-    if not hinted:
-        assert calls == []
-        return
-    # Consecutive steps from offset 0, each starting where the last ended, covering the hinted head and
-    # starting none beyond it.
-    assert all(advice == os.POSIX_FADV_WILLNEED for _, _, advice in calls)
-    starts = [off for off, _, _ in calls]
-    ends = [off + n for off, n, _ in calls]
-    assert starts == [0, *ends[:-1]]
-    assert ends[-1] >= hinted > starts[-1]
-
-
-def test_prefetch_skips_a_missing_data_file(tmp_path: Path) -> None:
-    import importlib
-
-    from aiockpt._format import FileInfo
-
-    _read = importlib.import_module("aiockpt._load._read")
-    _read.prefetch(tmp_path, SimpleNamespace(files=(FileInfo(name="gone.bin", nbytes=9),)))
-
-
-@pytest.mark.parametrize("direct", [False, True])
-async def test_loads_prefetch_local_data_unless_reading_directly(
-    direct: bool, ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import aiockpt._load as load_pkg
-
-    seen: list[Path] = []
-    real = load_pkg._read.prefetch
-
-    def spy(path: Path, manifest: object) -> None:
-        seen.append(path)
-        real(path, manifest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(load_pkg, "prefetch", spy)
-    state = {"w": torch.randn(64, 64)}
-    await aiockpt.save(state, ckpt_path)
-    io = aiockpt.IOConfig(direct_reads=direct)
-    target: dict[str, object] = {"w": torch.zeros(64, 64)}
-    await aiockpt.load(target, ckpt_path, io=io)
-    got = await aiockpt.read(ckpt_path, io=io)
-    assert_tree_equal(target, state)
-    assert_tree_equal(got, state)
-    assert seen == ([] if direct else [ckpt_path, ckpt_path])

@@ -24,7 +24,7 @@ from .._threads import release, responsive, run_sync
 from .._tree import render
 from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._match import LoadPlan, match
-from ._read import cached_pages, prefetch, read_into
+from ._read import cached_pages, read_into
 
 __all__ = [
     "assign",
@@ -58,12 +58,8 @@ async def _manifest(
     def read() -> tuple[Manifest, _Cached]:
         manifest = read_manifest(path)
         cached: _Cached = None
-        if not io.direct_reads:
-            if io.drops_behind:
-                cached = cached_pages(path, manifest)  # before the prefetch brings any in
-            # The disk reads ahead while the target is matched and the reads planned. Here, not in a
-            # thread beside the matching: its calls would compete with it and the loop for the GIL.
-            prefetch(path, manifest)
+        if not io.direct_reads and io.drops_behind:
+            cached = cached_pages(path, manifest)
         return manifest, cached
 
     return await run_sync(read, limiter)

@@ -46,9 +46,6 @@ _ByFile = dict[str, list[Piece]]
 # (512 or 4096 bytes); page alignment satisfies every device.
 _DIO_ALIGN = mmap.PAGESIZE
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-# How much of a checkpoint's data :func:`prefetch` asks the kernel to start reading.
-PREFETCH_BYTES = 64 << 20
-_PREFETCH_STEP = 1 << 20
 
 
 @dataclass(slots=True)
@@ -280,39 +277,11 @@ def _open_direct(path: Path) -> int | None:
         return None
 
 
-def prefetch(directory: Path, manifest: Manifest) -> None:
-    """Ask the kernel to start reading the head of the data now, in the background. Blocking.
-
-    Matching and planning a state of 10^4 tensors take 0.1-0.2 s of CPU before the first byte is read;
-    with this hint the disk works meanwhile. It covers the first :data:`PREFETCH_BYTES` of a checkpoint
-    with one data file (a single process's save), which every load of it reads; readahead takes over
-    from there. A checkpoint of several ranks is left alone: a rank loading it usually needs only some
-    files, and hints for the others would compete with its reads. A file that cannot be opened is
-    skipped: the read stage reports it.
-    """
-    if len(manifest.files) != 1 or not hasattr(os, "posix_fadvise"):
-        return
-    (info,) = manifest.files
-    try:
-        fd = os.open(directory / info.name, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        # Linux starts at most max(readahead, largest request) bytes per call (8 MiB here, often far
-        # less): steps of 1 MiB are covered whole on common devices.
-        for start in range(0, min(info.nbytes, PREFETCH_BYTES), _PREFETCH_STEP):
-            os.posix_fadvise(fd, start, _PREFETCH_STEP, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass  # a hint only: file systems that refuse it read on demand
-    finally:
-        os.close(fd)
-
-
 def cached_pages(directory: Path, manifest: Manifest) -> dict[str, bytes | None]:
     """Which pages of each data file the page cache holds now (see :func:`aiockpt._pagecache.resident`).
 
-    Taken before :func:`prefetch` and the reads, so that :func:`read_into` evicts what it brought in and
-    nothing else. A file that cannot be opened is left out: the read stage reports it. Blocking.
+    Taken before the reads, so that :func:`read_into` evicts what it brought in and nothing else. A file
+    that cannot be opened is left out: the read stage reports it. Blocking.
     """
     out: dict[str, bytes | None] = {}
     for info in manifest.files:
@@ -369,9 +338,9 @@ async def read_into(
     """Fill every destination from ``directory``'s data files; return the bytes read.
 
     ``direct`` reads through ``O_DIRECT`` where the file system allows it (see ``IOConfig.direct_reads``).
-    Given ``cached`` (what :func:`cached_pages` found before anything, such as a prefetch, read the
-    files), each run read through the page cache is evicted from it once verified, unless some of its
-    pages were cached before (see ``IOConfig.drop_behind``); a file it has no snapshot of is not evicted.
+    Given ``cached`` (what :func:`cached_pages` found before the reads began), each run read through the
+    page cache is evicted from it once verified, unless some of its pages were cached before (see
+    ``IOConfig.drop_behind``); a file it has no snapshot of is not evicted.
 
     Raises:
         CorruptionError: A block's checksum does not match, or a data file is missing or too short; the
