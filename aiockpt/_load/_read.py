@@ -375,6 +375,8 @@ async def read_into(
     # Per buffered file, its pages cached before this read (with ``cached`` only); ``None``: evict nothing.
     before: dict[str, bytes | None] = {}
     work: list[deque[tuple[str, Run]]] = []
+    # Per lane, the CPU its reader and checker are pinned to (see checker_cpus); ``None``: no checkers.
+    cpus: list[int | None] | None = None
     checksums: list[tuple[int, ...]] = []
     caller = noted()
     reads, copies, keep, by_file, total = await run_sync(plan_reads, limiter)
