@@ -7,8 +7,9 @@ against 0.61 s unchecked. A checker thread beside the reader overlaps the two, b
 CPU it takes the one the event loop wakes on (loop-lag p99 2.2-4.1 ms against 1.1-1.6 ms, measured three
 times, at ``SCHED_IDLE`` and nice 10 alike). So a reader and its checker are pinned to one CPU that is
 not the event loop's: the checker runs while its reader waits for the device, and the loop's CPU stays
-free. Where there are not enough CPUs for that (as many readers as CPUs besides the loop's), or threads
-cannot be pinned (not Linux), readers check their own runs.
+free. Where every reader and every checker can have a CPU besides the loop's, checkers are not pinned;
+where there are more readers than CPUs besides the loop's, or threads cannot be pinned (not Linux),
+readers check their own runs (see :func:`checker_cpus`).
 
 Runs of small blocks stay with their reader: checking them is a Python loop over the blocks, which would
 take turns with the reader and the loop for the GIL.
