@@ -6,7 +6,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import anyio
@@ -141,6 +141,35 @@ def test_pinned_narrows_the_thread_then_restores_it_even_on_error(restored: None
     assert os.sched_getaffinity(0) == before
     with pinned(None):
         assert os.sched_getaffinity(0) == before
+
+
+def test_pinned_falls_back_to_every_allowed_cpu_if_its_own_went_away(
+    monkeypatch: pytest.MonkeyPatch, restored: None
+) -> None:
+    cpu = min(os.sched_getaffinity(0))
+    everywhere = os.sched_getaffinity(0)
+    real = os.sched_setaffinity
+    calls: list[set[int]] = []
+    after: list[set[int]] = []
+
+    def setaffinity(pid: int, cpus: Iterable[int]) -> None:
+        calls.append(set(cpus))
+        if len(calls) == 2:  # the restore: none of the thread's CPUs is allowed any more
+            raise OSError(22, "Invalid argument")
+        real(pid, cpus)
+
+    def in_a_thread() -> None:  # (the test's own thread must not stay pinned if this fails)
+        with pinned(cpu):
+            pass
+        after.append(os.sched_getaffinity(0))
+
+    monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert calls[0] == {cpu}
+    assert calls[2] == set(range(os.cpu_count() or 1))
+    assert after == [everywhere]
 
 
 # --- The checker thread ---------------------------------------------------------------------------------

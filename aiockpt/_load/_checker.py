@@ -117,7 +117,20 @@ def pinned(cpu: int | None) -> Iterator[None]:
         yield
     finally:
         if before is not None:
-            os.sched_setaffinity(0, before)
+            _restore(before)
+
+
+def _restore(cpus: set[int]) -> None:
+    """Allow the calling thread on ``cpus`` again, or failing that on every CPU the process may use.
+
+    Restoring fails if none of ``cpus`` is allowed any more (a cgroup's CPU set changed, CPUs went
+    offline); the kernel narrows a request for every CPU to those allowed.
+    """
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 def wants_checker(run: Run) -> bool:
