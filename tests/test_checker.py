@@ -340,6 +340,16 @@ async def test_small_blocks_are_checked_by_their_reader(
     assert {name for name, _ in spied["check"]} == readers  # no checker thread
 
 
+async def test_a_lane_of_one_large_run_is_checked_by_its_reader(
+    ckpt_path: Path, one_cpu: int, spied: dict[str, list[tuple[str, frozenset[int]]]], restored: None
+) -> None:
+    saved = _state(n=2)  # 6 MiB: one run
+    await aiockpt.save(saved, ckpt_path, io=IO)
+    assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+    assert len(spied["read"]) == 1
+    assert [name for name, _ in spied["check"]] == [spied["read"][0][0]]  # the reader's own thread
+
+
 @pytest.mark.parametrize("victim", [0, 5])
 async def test_damage_found_by_a_checker_names_the_key_and_file(
     victim: int, ckpt_path: Path, one_cpu: int, restored: None

@@ -420,7 +420,8 @@ async def read_into(
         lane = work.pop()
         cpu = cpus[len(work)] if cpus else None  # (the list stays whole: its CPUs are released after)
         checker: AbstractContextManager[Checker | None] = nullcontext()
-        if cpus is not None and any(to_checker(name, run) for name, run in lane):
+        # A checker overlaps one run's check with the next run's read: a lane of one such run gains nothing.
+        if cpus is not None and sum(to_checker(name, run) for name, run in lane) > 1:
             checker = Checker(cpu, abort)
         else:
             cpu = None  # the reader checks every run itself, wherever the kernel runs it
