@@ -402,3 +402,33 @@ async def test_a_load_cancelled_while_its_checker_works_leaves_nothing_behind(
     target = _zeros_like(saved)
     await aiockpt.load(target, ckpt_path, io=IO)
     assert_tree_equal(target, saved)
+
+
+async def test_loads_cancelled_at_random_moments_leave_nothing_behind(
+    ckpt_path: Path, restored: None
+) -> None:
+    """Readers, checkers, CPU claims and file descriptors all go when a load is cancelled, wherever it is."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a reader is pinned only where a CPU is left to the event loop")
+    import random
+
+    seed = 20261126
+    rng = random.Random(seed)
+    saved = _state(n=8)  # 24 MiB: three runs of 8 MiB
+    await aiockpt.save(saved, ckpt_path, io=IO)
+    fds = len(os.listdir("/proc/self/fd"))
+    cancelled = 0
+    for _ in range(40):
+        target = _zeros_like(saved)
+        with anyio.move_on_after(rng.uniform(0, 0.02)) as scope:
+            await aiockpt.load(target, ckpt_path, io=IO)
+        cancelled += scope.cancelled_caught
+        if not scope.cancelled_caught:
+            assert_tree_equal(target, saved)
+        assert _threads_named("aiockpt-check") == [], f"seed {seed}"
+        assert _checker._claimed == set(), f"seed {seed}"
+    assert len(os.listdir("/proc/self/fd")) == fds, f"seed {seed}"
+    assert cancelled > 0, f"seed {seed}: no load was cancelled"
+    target = _zeros_like(saved)
+    await aiockpt.load(target, ckpt_path, io=IO)
+    assert_tree_equal(target, saved)
