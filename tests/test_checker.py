@@ -350,6 +350,21 @@ async def test_a_lane_of_one_large_run_is_checked_by_its_reader(
     assert [name for name, _ in spied["check"]] == [spied["read"][0][0]]  # the reader's own thread
 
 
+async def test_without_checkers_every_reader_checks_its_own_runs(
+    ckpt_path: Path, one_cpu: int, spied: dict[str, list[tuple[str, frozenset[int]]]], restored: None
+) -> None:
+    saved = _state()
+    await aiockpt.save(saved, ckpt_path, io=IO)
+    target = _zeros_like(saved)
+    await aiockpt.load(target, ckpt_path, io=IOConfig(threads=1, checksum_block=MIB, checkers=False))
+    assert_tree_equal(target, saved)
+    readers = {name for name, _ in spied["read"]}
+    assert len(readers) == 1
+    assert {name for name, _ in spied["check"]} == readers
+    assert len(spied["check"]) == len(spied["read"]) > 1
+    assert {cpus for _, cpus in spied["read"]} == {frozenset(os.sched_getaffinity(0))}  # not pinned
+
+
 @pytest.mark.parametrize("victim", [0, 5])
 async def test_damage_found_by_a_checker_names_the_key_and_file(
     victim: int, ckpt_path: Path, one_cpu: int, restored: None

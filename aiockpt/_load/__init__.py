@@ -85,6 +85,7 @@ async def _fill(
             threads=io.thread_count,
             direct=io.direct_reads,
             cached=cached,
+            checkers=io.checkers,
             limiter=limiter,
         )
     await hand_over(plan, limiter)

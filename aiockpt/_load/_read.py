@@ -333,6 +333,7 @@ async def read_into(
     threads: int,
     direct: bool = False,
     cached: Mapping[str, bytes | None] | None = None,
+    checkers: bool = True,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> int:
     """Fill every destination from ``directory``'s data files; return the bytes read.
@@ -340,7 +341,8 @@ async def read_into(
     ``direct`` reads through ``O_DIRECT`` where the file system allows it (see ``IOConfig.direct_reads``).
     Given ``cached`` (what :func:`cached_pages` found before the reads began), each run read through the
     page cache is evicted from it once verified, unless some of its pages were cached before (see
-    ``IOConfig.drop_behind``); a file it has no snapshot of is not evicted.
+    ``IOConfig.drop_behind``); a file it has no snapshot of is not evicted. With ``checkers``, readers
+    hand the checks of large blocks to checker threads (see ``_checker`` and ``IOConfig.checkers``).
 
     Raises:
         CorruptionError: A block's checksum does not match, or a data file is missing or too short; the
@@ -473,7 +475,7 @@ async def read_into(
     try:
         await run_sync(open_files, limiter)
         if work:
-            with checker_cpus(len(work)) as cpus:  # here, on the event loop's thread
+            with checker_cpus(len(work)) if checkers else nullcontext() as cpus:  # on the loop's thread
                 await run_workers(worker, len(work), limiter)
         if copies:
             await run_sync(lambda: _run_all(copies), limiter)
