@@ -431,12 +431,15 @@ async def read_into(
         with current(caller), pinned(cpu), checker as check:
             read_lane(abort, lane, check)
 
-    def checked(name: str, run: Run) -> None:
-        bad = mismatched(run.pieces, checksums)
+    def settle(name: str, run: Run, bad: list[Piece]) -> None:
+        """Fail on the first damaged block of ``run``, or evict the verified run (drop-behind)."""
         if bad:
             raise corrupt(reads[bad[0].item], f"checksum mismatch in block {bad[0].block}")
-        if name in before:
+        if name in before:  # (only buffered files have a snapshot)
             drop_behind(fds[name], run.offset, run.end, before[name])
+
+    def checked(name: str, run: Run) -> None:
+        settle(name, run, mismatched(run.pieces, checksums))
 
     def read_lane(abort: threading.Event, lane: deque[tuple[str, Run]], check: Checker | None) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
@@ -453,24 +456,19 @@ async def read_into(
                 raise Aborted
             name, run = lane.popleft()
             dfd = direct_fds.get(name)
+            handed = check is not None and to_checker(name, run)  # checked by the checker, not here
             if device is not None and on_gpu(run):  # through the page cache, also with direct reads
                 short, bad = device.read(fds[name], run, to_sink, sums)
-            elif check is not None and to_checker(name, run):
-                short, _ = read_checked(fds[name], run, scratch, None)
-                if short:
-                    raise corrupt(reads[short[0].item], "data file is truncated")
-                check.put(partial(checked, name, run))
-                continue
             elif dfd is None:
-                short, bad = read_checked(fds[name], run, scratch, sums)
+                short, bad = read_checked(fds[name], run, scratch, None if handed else sums)
             else:
                 short, bad = read_checked_direct(dfd, run, bounce, address, sums)
             if short:
                 raise corrupt(reads[short[0].item], "data file is truncated")
-            if bad:
-                raise corrupt(reads[bad[0].item], f"checksum mismatch in block {bad[0].block}")
-            if name in before:  # (only buffered files have a snapshot)
-                drop_behind(fds[name], run.offset, run.end, before[name])
+            if check is not None and handed:
+                check.put(partial(checked, name, run))
+            else:
+                settle(name, run, bad)
 
     try:
         await run_sync(open_files, limiter)
