@@ -190,7 +190,9 @@ async def read(
 
     Statefuls come back as their state dicts; tied tensors come back tied. ``path`` may also be a DCP
     directory (full tensors, nested as saved), a safetensors file or Hugging Face directory (a flat
-    ``{name: tensor}`` dict) or a ``torch.save`` file; see ``docs/interop.md``.
+    ``{name: tensor}`` dict) or a ``torch.save`` file; see ``docs/interop.md``. The large tensors of an
+    aiockpt checkpoint on a local file system are copy-on-write views of its data files, verified when
+    read (see ``IOConfig.map_reads``).
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint.

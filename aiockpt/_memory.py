@@ -18,6 +18,14 @@ from ._errors import BusyError
 _EMPTY = memoryview(bytearray(0))
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides, in elements, of a contiguous tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * shape[i]
+    return tuple(strides)
+
+
 def nbytes_of(t: torch.Tensor) -> int:
     """Bytes of the tensor's elements (not of its storage)."""
     return t.nbytes

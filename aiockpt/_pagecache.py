@@ -21,6 +21,7 @@ import platform
 import re
 import sys
 import time
+from collections.abc import Iterable
 
 PAGE = mmap.PAGESIZE
 
@@ -136,6 +137,20 @@ def resident(fd: int, size: int) -> bytes | None:
         return bytes(vec)
     finally:
         munmap(addr, size)
+
+
+def kept(before: bytes, spans: Iterable[tuple[int, int]]) -> bytes:
+    """``before`` (see :func:`resident`) with every page that overlaps a ``[start, end)`` span marked cached.
+
+    For byte ranges a read must leave cached (mapped tensors' pages): :func:`drop_behind` and
+    :func:`sweep` then treat them as pages that were cached before it began.
+    """
+    vec = bytearray(before)
+    for start, end in spans:
+        first, stop = start // PAGE, min(len(vec), -(-end // PAGE))
+        if first < stop:
+            vec[first:stop] = b"\1" * (stop - first)
+    return bytes(vec)
 
 
 def drop_behind(fd: int, start: int, end: int, before: bytes | None) -> None:

@@ -329,6 +329,22 @@ async def test_a_load_checks_large_blocks_beside_its_reader_on_one_cpu(
     assert len(spied["check"]) == len(spied["read"]) > 1
 
 
+async def test_a_mapped_read_hands_its_runs_to_a_checker(
+    ckpt_path: Path, one_cpu: int, spied: dict[str, list[tuple[str, frozenset[int]]]], restored: None
+) -> None:
+    """Runs of mapped tensors are populated by the reader and checked beside it, like runs read."""
+    saved = _state()
+    await aiockpt.save(saved, ckpt_path, io=IO)
+    tree = await aiockpt.read(ckpt_path, io=IO)
+    assert_tree_equal(tree, saved)
+    assert all(t.untyped_storage().nbytes() > t.nbytes for t in tree.values() if isinstance(t, torch.Tensor))
+    assert spied["read"] == []  # nothing read into memory: populated in place
+    (checker,) = set(spied["check"])
+    assert checker[0] == "aiockpt-check"
+    assert len(checker[1]) == 1  # pinned
+    assert len(spied["check"]) > 1
+
+
 async def test_small_blocks_are_checked_by_their_reader(
     ckpt_path: Path, one_cpu: int, spied: dict[str, list[tuple[str, frozenset[int]]]], restored: None
 ) -> None:
@@ -345,7 +361,8 @@ async def test_a_lane_of_one_large_run_is_checked_by_its_reader(
 ) -> None:
     saved = _state(n=2)  # 6 MiB: one run
     await aiockpt.save(saved, ckpt_path, io=IO)
-    assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+    unmapped = IOConfig(threads=1, checksum_block=MIB, map_reads=False)  # read, not mapped
+    assert_tree_equal(await aiockpt.read(ckpt_path, io=unmapped), saved)
     assert len(spied["read"]) == 1
     assert [name for name, _ in spied["check"]] == [spied["read"][0][0]]  # the reader's own thread
 

@@ -11,13 +11,15 @@ from conftest import assert_tree_equal
 
 import aiockpt
 from aiockpt import IOConfig, _pagecache
-from aiockpt._pagecache import PAGE, drop_behind, resident, sweep
+from aiockpt._pagecache import PAGE, drop_behind, kept, resident, sweep
 
 pytestmark = pytest.mark.timeout(60)
 
 DATA = "data-r00000.bin"
 # Several runs (8 MiB each at most) over two reader lanes, checksummed in 1 MiB blocks.
 IO = IOConfig(threads=2, checksum_block=1 << 20)
+# Fresh reads into memory of their own: those evict what they read (mapped tensors' pages are their memory).
+UNMAPPED = IOConfig(threads=2, checksum_block=1 << 20, map_reads=False)
 
 
 def _evict(path: Path) -> None:
@@ -246,7 +248,7 @@ async def test_a_cold_load_leaves_none_of_the_data_in_the_page_cache(fresh: bool
     data = ckpt_path / DATA
     _evict(data)
     if fresh:
-        assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+        assert_tree_equal(await aiockpt.read(ckpt_path, io=UNMAPPED), saved)
     else:
         target = state()
         big = target["big"]
@@ -288,14 +290,43 @@ async def test_a_load_keeps_what_was_cached_before_it(ckpt_path: Path) -> None:
     await aiockpt.save(saved, ckpt_path, io=IO)
     data = ckpt_path / DATA
     # Just saved: cached, and a load (an actor following its learner) leaves it so for the next reader.
-    assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+    assert_tree_equal(await aiockpt.read(ckpt_path, io=UNMAPPED), saved)
     pages = _resident(data)
     assert _count(pages) == len(pages)
     # Half cached (another reader got that far): that half stays, the rest goes.
     _evict(data)
     half = len(pages) // 2
     _read_pages(data, 0, half)
-    assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+    assert_tree_equal(await aiockpt.read(ckpt_path, io=UNMAPPED), saved)
     pages = _resident(data)
     assert pages[:half] == b"\1" * half
     assert _count(pages[half:]) <= 2
+
+
+async def test_a_mapped_read_keeps_the_pages_of_its_mapped_tensors_only(ckpt_path: Path) -> None:
+    """The pages of mapped tensors are the result's memory: they stay; small tensors' pages go."""
+    saved = state()
+    await aiockpt.save(saved, ckpt_path, io=IO)
+    data = ckpt_path / DATA
+    _evict(data)
+    tree = await aiockpt.read(ckpt_path, io=IO)
+    assert_tree_equal(tree, saved)
+    pages = _resident(data)
+    kept = 0
+    for key in ("big", "bf16"):
+        t = tree[key]
+        assert isinstance(t, torch.Tensor)
+        assert t.untyped_storage().nbytes() == data.stat().st_size  # a view of the file
+        first = t.storage_offset() * t.element_size() // PAGE
+        stop = -(-(t.storage_offset() * t.element_size() + t.nbytes) // PAGE)
+        assert pages[first:stop] == b"\1" * (stop - first), key
+        kept += stop - first
+    # The small tensors' pages (read into slabs) are evicted, bar pages shared with a mapped tensor.
+    assert _count(pages) - kept <= 4, f"{_count(pages) - kept} more pages cached"
+
+
+def test_kept_marks_every_page_a_span_touches() -> None:
+    before = bytes(8)
+    assert kept(before, [(PAGE + 1, 3 * PAGE)]) == b"\0\1\1\0\0\0\0\0"
+    assert kept(before, [(0, 1), (7 * PAGE, 9 * PAGE)]) == b"\1\0\0\0\0\0\0\1"  # clipped to the file
+    assert kept(b"\1" + bytes(3), []) == b"\1" + bytes(3)

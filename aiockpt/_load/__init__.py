@@ -23,6 +23,7 @@ from .._storage import Location, S3Path
 from .._threads import release, responsive, run_sync
 from .._tree import render
 from ._manifest import is_checkpoint, published_parts, read_manifest
+from ._mapped import Mapper
 from ._match import LoadPlan, match
 from ._read import cached_pages, read_into
 
@@ -191,7 +192,9 @@ async def _read_fresh(
     path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
 ) -> dict[Key, object]:
     manifest, cached = await _manifest(path, io, limiter)
-    plan = await run_sync(partial(match, manifest, None, allow_pickle=allow_pickle), limiter)
+    mapper = None if isinstance(path, S3Path) or io.direct_reads or not io.map_reads else Mapper(path)
+    read_plan = partial(match, manifest, None, allow_pickle=allow_pickle, mapper=mapper)
+    plan = await run_sync(read_plan, limiter)
     readable(plan, path)
     await _fill(path, manifest, cached, plan, io, limiter)
     result = plan.result

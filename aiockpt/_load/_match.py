@@ -36,8 +36,9 @@ from .._format import (
     ValueNode,
 )
 from .._gc import paused
-from .._memory import byte_view
+from .._memory import byte_view, contiguous_strides
 from .._tree import dtensor_type, dtype_from_name, dtype_name, is_stateful, render, shard_of
+from ._mapped import Mapper
 
 
 class _Missing:
@@ -54,7 +55,9 @@ class Destination:
 
     ``offsets`` places ``tensor`` in the global tensor when it is a shard (a DTensor's local tensor);
     ``None`` means it is the whole tensor. ``view``, when set, is the bytes of a fresh contiguous
-    ``tensor``, cut from its slab's view (cheaper than a view made per tensor).
+    ``tensor``, cut from its slab's view (cheaper than a view made per tensor). ``mapped``: ``tensor`` is
+    a view of its data file's mapping (see ``_mapped``), whose pages the read stage populates and verifies
+    instead of reading into them.
     """
 
     index: int
@@ -63,6 +66,7 @@ class Destination:
     also: list[torch.Tensor] = field(default_factory=list)
     offsets: tuple[int, ...] | None = None
     view: memoryview | None = None
+    mapped: bool = False
 
 
 @dataclass
@@ -95,9 +99,10 @@ def _entry_desc(e: TensorEntry) -> str:
 
 
 class _Matcher:
-    def __init__(self, manifest: Manifest, allow_pickle: bool) -> None:
+    def __init__(self, manifest: Manifest, allow_pickle: bool, mapper: Mapper | None) -> None:
         self.m = manifest
         self.allow_pickle = allow_pickle
+        self.mapper = mapper
         self.plan = LoadPlan(result={})
         # Containers of the user's own state are updated in place (others may hold references to them);
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
@@ -293,8 +298,13 @@ class _Matcher:
                 param = self.params.get(path[:-1])
                 if isinstance(param, dtensor) and tuple(param.shape) == entry.shape:
                     return self.shard_like(node.index, param, dtype_)
-            fresh, view = self.slabs.empty(entry.shape, dtype_)
-            dest = self.plan.destinations[node.index] = Destination(node.index, fresh, True, view=view)
+            mapped = self.mapper.tensor(entry, dtype_) if self.mapper is not None else None
+            if mapped is not None:
+                dest = Destination(node.index, mapped, True, mapped=True)
+            else:
+                fresh, view = self.slabs.empty(entry.shape, dtype_)
+                dest = Destination(node.index, fresh, True, view=view)
+            self.plan.destinations[node.index] = dest
         return dest.tensor
 
     def shard_like(self, index: int, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -412,15 +422,8 @@ class _Slabs:
     def _strides(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         strides = self.strides.get(shape)
         if strides is None:
-            strides = self.strides[shape] = _contiguous_strides(shape)
+            strides = self.strides[shape] = contiguous_strides(shape)
         return strides
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 1, 0, -1):
-        strides[i - 1] = strides[i] * shape[i]
-    return tuple(strides)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -447,13 +450,21 @@ def _kind(node: Node) -> str:
     return names.get(type(node), "pickled object")
 
 
-def match(manifest: Manifest, state: MutableMapping[str, object] | None, *, allow_pickle: bool) -> LoadPlan:
+def match(
+    manifest: Manifest,
+    state: MutableMapping[str, object] | None,
+    *,
+    allow_pickle: bool,
+    mapper: Mapper | None = None,
+) -> LoadPlan:
     """Match ``manifest`` against ``state`` (``None``: build everything fresh, as :func:`aiockpt.read`).
+
+    With ``mapper``, fresh tensors that can be are views of their data file's mapping (see ``_mapped``).
 
     Raises:
         StateError: A pickled object is met without ``allow_pickle``.
     """
-    m = _Matcher(manifest, allow_pickle)
+    m = _Matcher(manifest, allow_pickle, mapper)
     tmpl = MISSING if state is None else cast("Mapping[object, object]", state)
     with paused():
         if state is None:

@@ -7,7 +7,9 @@ reader's two small pinned buffers, and copied from there as each run is verified
 to GPU targets are enqueued on the caller's current stream of their device (see ``_cuda``): ordered after
 the caller's earlier work on them, and done when the load returns. With ``direct`` reads, each run is
 read with ``O_DIRECT`` into its reader's page-aligned bounce buffer instead, verified there and copied
-into place (runs bound for GPU targets are read through the page cache).
+into place (runs bound for GPU targets are read through the page cache). Fresh tensors that are views of
+their data file's mapping (``aiockpt.read``, see ``_mapped``) are not read into: their runs are
+populated from the file and verified in place, and never evicted (their pages are the tensors' memory).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._gc import paused
 from .._memory import byte_view, plain_cpu
-from .._pagecache import drop_behind, resident, sweep
+from .._pagecache import drop_behind, kept, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
 from ._checker import Checker, checker_cpus, pinned, wants_checker
 from ._device import DeviceReader, sink_of
+from ._mapped import populate
 from ._match import Destination
 
 _ByFile = dict[str, list[Piece]]
@@ -53,12 +56,14 @@ class _Read:
     """Chunk ``chunk`` of tensor ``tensor``, read into ``view``, or into ``sink`` (a GPU tensor's bytes).
 
     For a ``sink`` read, ``view`` is as long as the chunk but never touched: it only sizes the read.
+    ``mapped``: ``view`` is the chunk's own bytes in a mapping of its file, populated and verified there.
     """
 
     tensor: int
     chunk: Chunk
     view: memoryview
     sink: torch.Tensor | None = None
+    mapped: bool = False
 
 
 def _overlap(
@@ -182,7 +187,7 @@ def prepare(
         entry = manifest.tensors[index]
         view = _whole_view(entry, dest)
         if view is not None:
-            reads.append(_Read(index, entry.chunks[0], view))
+            reads.append(_Read(index, entry.chunks[0], view, mapped=dest.mapped))
         else:
             _plan_chunks(index, entry, dest, reads, copies, keep, hold)
         if dest.also:  # tied in the checkpoint, separate in the target: copied once read
@@ -359,16 +364,20 @@ async def read_into(
             checksums.extend(r.chunk.checksums for r in reads)
             by_file: dict[str, list[Piece]] = {}
             to_gpu: dict[str, list[Piece]] = {}  # bound for GPU tensors: in runs of their own
+            in_map: dict[str, list[Piece]] = {}  # mapped tensors' bytes: in runs of their own
             for i, r in enumerate(reads):
-                into = by_file if r.sink is None else to_gpu
+                into = in_map if r.mapped else by_file if r.sink is None else to_gpu
                 into.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
             jobs: list[tuple[str, Run]] = []
-            for pieces_of in (by_file, to_gpu):
+            for pieces_of in (by_file, to_gpu, in_map):
                 for name, pieces in pieces_of.items():
                     pieces.sort(key=lambda p: p.offset)
                     jobs.extend((name, run) for run in group(pieces))
-            for name, pieces in to_gpu.items():  # every file's pieces together, to open and size it
-                by_file.setdefault(name, []).extend(pieces)
+            for name, pieces in in_map.items():
+                held[name] = [(p.offset, p.offset + len(p.view)) for p in pieces]
+            for pieces_of in (to_gpu, in_map):  # every file's pieces together, to open and size it
+                for name, pieces in pieces_of.items():
+                    by_file.setdefault(name, []).extend(pieces)
             work.extend(lanes(jobs, threads, lambda job: job[1].end - job[1].offset))
         return reads, copies, keep, by_file, sum(len(r.view) for r in reads)
 
@@ -376,6 +385,8 @@ async def read_into(
     direct_fds: dict[str, int] = {}
     # Per buffered file, its pages cached before this read (with ``cached`` only); ``None``: evict nothing.
     before: dict[str, bytes | None] = {}
+    # Per file, the byte ranges of its mapped tensors: never evicted (counted as cached before).
+    held: dict[str, list[tuple[int, int]]] = {}
     work: list[deque[tuple[str, Run]]] = []
     # Per lane, the CPU its reader and checker are pinned to (see checker_cpus); ``None``: no checkers.
     cpus: list[int | None] | None = None
@@ -405,7 +416,9 @@ async def read_into(
                 continue
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             if cached is not None:
-                before[name] = cached.get(name)
+                snapshot = cached.get(name)
+                spans = held.get(name)
+                before[name] = kept(snapshot, spans) if snapshot is not None and spans else snapshot
 
     def to_sink(p: Piece) -> tuple[torch.Tensor, int]:
         r = reads[p.item]
@@ -414,6 +427,9 @@ async def read_into(
 
     def on_gpu(run: Run) -> bool:
         return reads[run.pieces[0].item].sink is not None
+
+    def in_map(run: Run) -> bool:
+        return reads[run.pieces[0].item].mapped
 
     def to_checker(name: str, run: Run) -> bool:
         return verify and name not in direct_fds and not on_gpu(run) and wants_checker(run)
@@ -435,7 +451,7 @@ async def read_into(
         """Fail on the first damaged block of ``run``, or evict the verified run (drop-behind)."""
         if bad:
             raise corrupt(reads[bad[0].item], f"checksum mismatch in block {bad[0].block}")
-        if name in before:  # (only buffered files have a snapshot)
+        if name in before and not in_map(run):  # (only buffered files have a snapshot)
             drop_behind(fds[name], run.offset, run.end, before[name])
 
     def checked(name: str, run: Run) -> None:
@@ -457,7 +473,11 @@ async def read_into(
             name, run = lane.popleft()
             dfd = direct_fds.get(name)
             handed = check is not None and to_checker(name, run)  # checked by the checker, not here
-            if device is not None and on_gpu(run):  # through the page cache, also with direct reads
+            if in_map(run):  # inside the file: checked when it was mapped, and again when opened
+                populate(run.pieces[0].view, run.end - run.offset)
+                short: list[Piece] = []
+                bad = [] if handed or sums is None else mismatched(run.pieces, sums)
+            elif device is not None and on_gpu(run):  # through the page cache, also with direct reads
                 short, bad = device.read(fds[name], run, to_sink, sums)
             elif dfd is None:
                 short, bad = read_checked(fds[name], run, scratch, None if handed else sums)
