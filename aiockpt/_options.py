@@ -83,18 +83,17 @@ class IOConfig:
             ms late against 3 in 14 loads, loads 2-11% faster). ``False``: every reader checks its own runs,
             as ``verify`` always does.
         map_reads: ``aiockpt.read`` of an aiockpt checkpoint returns each tensor of 64 KiB or more that one
-            chunk holds whole as a view of a private (copy-on-write) mapping of its data file, populated
-            and verified in place, instead of new memory the file is read into: the machine then provides
-            each byte once (a page of the page cache) instead of twice (that page and the tensor's). On a
-            2-vCPU VM a cold fresh read of 2 GiB took 0.70-0.73 s this way against 0.98-1.25 s into new
-            memory. Writing to such a tensor copies the pages written, never the file. The price: its
-            pages are the page cache's, which the kernel may evict under memory pressure and read again
-            from the file when they are next touched (a committed checkpoint's files never change; a
-            deleted one's stay readable while mapped); its storage cannot be resized; and the file must
-            not be truncated while it is mapped (touching bytes past the end of a file kills the process
-            with ``SIGBUS``; aiockpt never truncates a committed file). Not used with ``direct_reads``,
-            for object storage or foreign formats, or by ``aiockpt.load``, which fills the target's own
-            tensors.
+            chunk holds whole as a view of a private (copy-on-write) mapping of its data file, populated and
+            verified in place, instead of new memory the file is read into: the machine then provides each
+            byte once (a page of the page cache) instead of twice (that page and the tensor's). On a 2-vCPU VM
+            cold fresh reads of 2 GiB took 0.58-0.61 s at best (0.65-1.36 s median) this way against 1.02-1.07
+            s (1.08-1.20 s) into new memory. Writing to such a tensor copies the pages written, never the
+            file. The price: its pages are the page cache's, which the kernel may evict under memory pressure
+            and read again from the file when they are next touched (a committed checkpoint's files never
+            change; a deleted one's stay readable while mapped); its storage cannot be resized; and the file
+            must not be truncated while it is mapped (touching bytes past the end of a file kills the process
+            with ``SIGBUS``; aiockpt never truncates a committed file). Not used with ``direct_reads``, for
+            object storage or foreign formats, or by ``aiockpt.load``, which fills the target's own tensors.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
             copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed

@@ -1,12 +1,12 @@
 """Fresh tensors backed by private mappings of the data files, for ``aiockpt.read`` (``IOConfig.map_reads``).
 
-A fresh read into new memory makes the machine provide every byte twice: a page of the page cache, which
-the kernel fills from the device, and a page of the new tensor, which the copy then first-touches. On a
-VM whose idle memory goes back to its host, that first touch costs more than the copy itself (2 GiB read
-into new memory took 0.98-1.25 s, against 0.70-0.73 s to map the same file and populate and verify the
-mapping). A large tensor held whole by one chunk is therefore made a view of a copy-on-write
-(``MAP_PRIVATE``) mapping of its data file: its pages are the page cache's, populated and verified by the
-read stage like any other run, and writing to the tensor copies the page written, never the file.
+A fresh read into new memory makes the machine provide every byte twice: a page of the page cache, which the
+kernel fills from the device, and a page of the new tensor, which the copy then first-touches. On a VM whose
+idle memory goes back to its host, that first touch costs more than the copy itself (cold fresh reads of 2 GiB
+into new memory took 1.02-1.07 s at best, 1.08-1.20 s median, against 0.58-0.61 s and 0.65-1.36 s mapped; see
+docs/benchmarks.md). A large tensor held whole by one chunk is therefore made a view of a copy-on-write
+(``MAP_PRIVATE``) mapping of its data file: its pages are the page cache's, populated and verified by the read
+stage like any other run, and writing to the tensor copies the page written, never the file.
 
 What the mapping costs its user: the tensor's pages are page-cache pages, which the kernel may evict
 under memory pressure and read again from the file when next touched (the file is never changed once a
