@@ -94,20 +94,18 @@ async def test_large_whole_tensors_are_views_of_the_data_file(ckpt_path: Path) -
         assert any(lo <= big.data_ptr() < hi for lo, hi in spans)
 
 
-async def test_map_reads_off_gives_every_tensor_memory_of_its_own(ckpt_path: Path) -> None:
+@pytest.mark.parametrize(
+    "io",
+    [
+        IOConfig(threads=2, checksum_block=1 << 20, map_reads=False),
+        IOConfig(threads=2, direct_reads=True),  # past the page cache: nothing to map
+    ],
+    ids=["map_reads=False", "direct_reads"],
+)
+async def test_without_mapping_every_tensor_gets_memory_of_its_own(io: IOConfig, ckpt_path: Path) -> None:
     saved = _state()
     await aiockpt.save(saved, ckpt_path, io=IO)
-    tree = await aiockpt.read(ckpt_path, io=IOConfig(threads=2, checksum_block=1 << 20, map_reads=False))
-    assert_tree_equal(tree, saved)
-    big = tree["big"]
-    assert isinstance(big, torch.Tensor)
-    assert not _mapped_file(big, ckpt_path / DATA)
-
-
-async def test_direct_reads_are_not_mapped(ckpt_path: Path) -> None:
-    saved = _state()
-    await aiockpt.save(saved, ckpt_path, io=IO)
-    tree = await aiockpt.read(ckpt_path, io=IOConfig(threads=2, direct_reads=True))
+    tree = await aiockpt.read(ckpt_path, io=io)
     assert_tree_equal(tree, saved)
     big = tree["big"]
     assert isinstance(big, torch.Tensor)
@@ -241,3 +239,46 @@ async def test_reads_cancelled_at_random_moments_leave_nothing_behind(ckpt_path:
     assert len(os.listdir("/proc/self/fd")) == fds, f"seed {seed}"
     assert cancelled > 0, f"seed {seed}: no read was cancelled"
     assert_tree_equal(await aiockpt.read(ckpt_path, io=IO), saved)
+
+
+_CUT_AFTER_OPEN = """
+import asyncio, os, sys
+import aiockpt
+from aiockpt._load import _read
+
+real = _read.populate
+data, keep = sys.argv[1], int(sys.argv[2])
+
+def cut_then_populate(start, nbytes):  # the file is cut short after it was mapped and opened
+    os.truncate(data, keep)
+    return real(start, nbytes)
+
+_read.populate = cut_then_populate
+try:
+    asyncio.run(aiockpt.read(sys.argv[3], io=aiockpt.IOConfig(threads=1, checksum_block=1 << 20)))
+except aiockpt.CorruptionError as exc:
+    print("CorruptionError:", exc)
+    sys.exit(3)
+"""
+
+
+@linux_only
+def test_a_file_cut_short_after_it_was_mapped_is_an_error_not_sigbus(ckpt_path: Path) -> None:
+    """Touching mapped bytes past the end of a file kills the process: the reader asks the kernel first."""
+    import subprocess
+
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit())
+    if release < (5, 14):
+        pytest.skip("MADV_POPULATE_READ needs Linux 5.14")
+    anyio.run(lambda: aiockpt.save(_state(), ckpt_path, io=IO))
+    data = ckpt_path / DATA
+    offset, _ = _chunk(read_manifest(ckpt_path), "big")
+    proc = subprocess.run(
+        [sys.executable, "-c", _CUT_AFTER_OPEN, str(data), str(offset), str(ckpt_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, f"rc {proc.returncode}: {proc.stdout} {proc.stderr[-2000:]}"
+    assert "truncated or unreadable" in proc.stdout
+    assert DATA in proc.stdout

@@ -57,22 +57,29 @@ _MADVISE = _madvise()
 _populate_refused = False
 
 
-def populate(start: memoryview, nbytes: int) -> None:
+def populate(start: memoryview, nbytes: int) -> bool:
     """Fault in the ``nbytes`` of mapped memory that begin where ``start`` does, reading what the cache lacks.
 
     One call reads the range with the kernel's readahead, where touching it page by page (as the
     checksum pass otherwise does) takes a fault per page. Without ``MADV_POPULATE_READ`` it does nothing.
-    An I/O error is not raised here: the checksum pass that follows touches the same pages and fails.
+
+    Returns:
+        ``False`` where the kernel found pages that touching would kill the process for (``SIGBUS``: the
+        file was cut short after it was mapped, or cannot be read); ``True`` otherwise, also where
+        nothing could be populated.
     """
     global _populate_refused  # a process-wide fact about the kernel, found once
     if _MADVISE is None or _populate_refused or nbytes <= 0 or not len(start):
-        return
+        return True
     address = ctypes.addressof(ctypes.c_char.from_buffer(start))
     page = mmap.PAGESIZE
     first = address - address % page
-    failed = _MADVISE(first, address + nbytes - first, _MADV_POPULATE_READ) != 0
-    if failed and ctypes.get_errno() == errno.EINVAL:  # a kernel that lacks the advice
+    if _MADVISE(first, address + nbytes - first, _MADV_POPULATE_READ) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:  # a kernel that lacks the advice
         _populate_refused = True
+    return err != errno.EFAULT
 
 
 class Mapper:

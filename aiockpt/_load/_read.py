@@ -474,7 +474,8 @@ async def read_into(
             dfd = direct_fds.get(name)
             handed = check is not None and to_checker(name, run)  # checked by the checker, not here
             if in_map(run):  # inside the file: checked when it was mapped, and again when opened
-                populate(run.pieces[0].view, run.end - run.offset)
+                if not populate(run.pieces[0].view, run.end - run.offset):  # cut short since: never touch
+                    raise corrupt(reads[run.pieces[0].item], "data file is truncated or unreadable")
                 short: list[Piece] = []
                 bad = [] if handed or sums is None else mismatched(run.pieces, sums)
             elif device is not None and on_gpu(run):  # through the page cache, also with direct reads
