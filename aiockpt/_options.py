@@ -93,7 +93,8 @@ class IOConfig:
             change; a deleted one's stay readable while mapped); its storage cannot be resized; and the file
             must not be truncated while it is mapped (touching bytes past the end of a file kills the process
             with ``SIGBUS``; aiockpt never truncates a committed file). Not used with ``direct_reads``, for
-            object storage or foreign formats, or by ``aiockpt.load``, which fills the target's own tensors.
+            object storage or foreign formats, by ``aiockpt.load``, which fills the target's own tensors, or
+            by ``convert`` to torch.save or DCP, whose writers save or clone a tensor's whole storage.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
             copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed

@@ -452,6 +452,28 @@ async def test_convert_to_torch_writes_only_the_tensors_bytes(tmp_path: Path) ->
     assert back["tied"][0] is back["tied"][1]
 
 
+@pytest.mark.parametrize("to", ["aiockpt", "torch", "dcp", "safetensors"])
+async def test_convert_maps_the_source_only_for_writers_that_copy_tensor_bytes(
+    tmp_path: Path, to: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.save writes whole storages and DCP clones views: a mapped tensor's storage is its data file."""
+    from aiockpt import _api
+
+    src = tmp_path / "src"
+    await aiockpt.save({"w": torch.randn(256, 256), "b": torch.randn(8)}, src)
+    seen: list[bool] = []
+    real = _api.read
+
+    async def spy(path: Any, **kw: Any) -> Any:
+        seen.append(kw["io"].map_reads)
+        return await real(path, **kw)
+
+    monkeypatch.setattr(_api, "read", spy)
+    dst = await aiockpt.convert(src, tmp_path / f"dst{_SUFFIX[to]}", to=to)  # type: ignore[arg-type]
+    assert seen == [to in ("aiockpt", "safetensors")]
+    assert_tree_equal(await aiockpt.read(dst), await aiockpt.read(src))
+
+
 async def test_convert_aiockpt_checkpoint_with_values_to_dcp_and_back(tmp_path: Path) -> None:
     model, opt = _trained(4)
     await aiockpt.save({"model": model, "optim": opt, "step": 12, "tag": "x"}, tmp_path / "a")

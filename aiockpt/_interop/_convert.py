@@ -15,6 +15,7 @@ import os
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal, cast
 
@@ -280,7 +281,10 @@ async def convert(
     target = local(dst, "convert")
     if await run_sync(lambda: os.path.lexists(target)):
         raise CheckpointExistsError(f"{target} already exists; convert never overwrites")
-    tree = await read(src, allow_pickle=allow_pickle, io=io)
+    # torch.save writes a tensor's whole storage, and DCP clones a tensor whose storage is larger than it:
+    # for those, large tensors are read into storages of their own, not mapped from the data files.
+    mapped = to in ("aiockpt", "safetensors")
+    tree = await read(src, allow_pickle=allow_pickle, io=io if mapped else replace(io, map_reads=False))
     items = named_tensors(tree, drop_non_tensors=drop_non_tensors) if to == "safetensors" else []
     tensors = [t for _, t in items] if to == "safetensors" else _tensors(tree)
     total = sum(nbytes_of(t) for t in tensors)
