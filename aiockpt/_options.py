@@ -90,11 +90,12 @@ class IOConfig:
             s (1.08-1.20 s) into new memory. Writing to such a tensor copies the pages written, never the
             file. The price: its pages are the page cache's, which the kernel may evict under memory pressure
             and read again from the file when they are next touched (a committed checkpoint's files never
-            change; a deleted one's stay readable while mapped); its storage cannot be resized; and the file
-            must not be truncated while it is mapped (touching bytes past the end of a file kills the process
-            with ``SIGBUS``; aiockpt never truncates a committed file). Not used with ``direct_reads``, for
-            object storage or foreign formats, by ``aiockpt.load``, which fills the target's own tensors, or
-            by ``convert`` to torch.save or DCP, whose writers save or clone a tensor's whole storage.
+            change; a deleted one's stay readable while mapped); its storage, the whole file, cannot be
+            resized, and ``torch.save`` of the tensor writes all of it (clone it first); and the file must not
+            be truncated while it is mapped (touching bytes past the end of a file kills the process with
+            ``SIGBUS``; aiockpt never truncates a committed file). Not used with ``direct_reads``, for object
+            storage or foreign formats, by ``aiockpt.load``, which fills the target's own tensors, or by
+            ``convert`` to torch.save or DCP, whose writers save or clone a tensor's whole storage.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
             copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed
