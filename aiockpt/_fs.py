@@ -25,23 +25,29 @@ _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
 
-def _load_libc_fn(name: str, argtypes: list[type]) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def libc_function(
+    name: str, argtypes: list[type] | None, restype: type = ctypes.c_int
+) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C library's function ``name`` (its ``errno`` kept for ``ctypes.get_errno``), or ``None``.
+
+    ``argtypes`` ``None`` leaves the arguments unchecked (variadic calls such as ``syscall``).
+    """
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
     fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
+    fn.restype = restype
     return fn
 
 
-_renameat2 = _load_libc_fn(
+_renameat2 = libc_function(
     "renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
 )
-_linkat = _load_libc_fn(
+_linkat = libc_function(
     "linkat", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
 )
-_sync_file_range = _load_libc_fn(
+_sync_file_range = libc_function(
     "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 )
 _SYNC_FILE_RANGE_WRITE = 2

@@ -23,24 +23,20 @@ import sys
 import time
 from collections.abc import Iterable
 
+from ._fs import libc_function
+
 PAGE = mmap.PAGESIZE
 
 
 def _libc_calls() -> tuple[ctypes._CFuncPtr, ...] | None:  # type: ignore[name-defined]
     if not hasattr(os, "posix_fadvise"):  # no way to evict a range (macOS, Windows)
         return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        mmap_, mincore, munmap = libc.mmap, libc.mincore, libc.munmap
-    except (OSError, AttributeError):
+    c_int, c_void_p, c_size_t = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+    mmap_ = libc_function("mmap", [c_void_p, c_size_t, c_int, c_int, c_int, ctypes.c_int64], c_void_p)
+    mincore = libc_function("mincore", [c_void_p, c_size_t, c_void_p])
+    munmap = libc_function("munmap", [c_void_p, c_size_t])
+    if mmap_ is None or mincore is None or munmap is None:
         return None
-    c_int = ctypes.c_int
-    mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, c_int, c_int, c_int, ctypes.c_int64]
-    mmap_.restype = ctypes.c_void_p
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    mincore.restype = ctypes.c_int
-    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    munmap.restype = ctypes.c_int
     return mmap_, mincore, munmap
 
 
@@ -70,14 +66,7 @@ class _Stat(ctypes.Structure):
 
 
 def _syscall() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if _CACHESTAT_NR is None:
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).syscall
-    except (OSError, AttributeError):
-        return None
-    call.restype = ctypes.c_long
-    return call
+    return None if _CACHESTAT_NR is None else libc_function("syscall", None, ctypes.c_long)
 
 
 _SYSCALL = _syscall()

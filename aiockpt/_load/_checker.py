@@ -18,13 +18,13 @@ take turns with the reader and the loop for the GIL.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
+from .._fs import libc_function
 from .._runs import Run
 from .._threads import Aborted
 
@@ -35,19 +35,10 @@ MIN_BLOCK = 64 << 10
 _DEPTH = 4
 
 
-def _sched_getcpu() -> Callable[[], int] | None:
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    try:
-        call = ctypes.CDLL(None).sched_getcpu
-    except (OSError, AttributeError):
-        return None
-    call.restype = ctypes.c_int
-    call.argtypes = []
-    return call
-
-
-_GETCPU = _sched_getcpu()
+# Where the calling thread runs now; ``None`` where threads cannot be pinned anyway.
+_GETCPU: Callable[[], int] | None = None
+if hasattr(os, "sched_setaffinity"):
+    _GETCPU = libc_function("sched_getcpu", [])
 
 
 # CPUs that readers and checkers of loads in flight in this process are pinned to.

@@ -31,6 +31,7 @@ from typing import cast
 import torch
 
 from .._format import TensorEntry
+from .._fs import libc_function
 from .._memory import contiguous_strides
 
 # Tensors smaller than this are read into shared slabs (see ``_match._Slabs``): mapping each of them
@@ -40,19 +41,9 @@ MIN_BYTES = 64 << 10
 _MADV_POPULATE_READ = 22
 
 
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if sys.platform != "linux":
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    call.restype = ctypes.c_int
-    return call
-
-
-_MADVISE = _madvise()
+_MADVISE = None
+if sys.platform == "linux":
+    _MADVISE = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 # Set once the kernel has refused MADV_POPULATE_READ (before 5.14): the checksum pass then faults pages in.
 _populate_refused = False
 
