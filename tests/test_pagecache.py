@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,21 +24,25 @@ IO = IOConfig(threads=2, checksum_block=1 << 20)
 UNMAPPED = IOConfig(threads=2, checksum_block=1 << 20, map_reads=False)
 
 
-def _evict(path: Path) -> None:
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[int]:
+    """``path`` opened for reading, closed when the block ends."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        yield fd
     finally:
         os.close(fd)
+
+
+def _evict(path: Path) -> None:
+    with _opened(path) as fd:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _resident(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path) as fd:
         pages = resident(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
     assert pages is not None
     return pages
 
@@ -47,13 +53,10 @@ def _count(pages: bytes) -> int:
 
 def _read_pages(path: Path, first: int, stop: int) -> None:
     """Read pages ``[first, stop)`` of ``path`` with readahead off, so that exactly they get cached."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path) as fd:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         for page in range(first, stop):
             os.pread(fd, PAGE, page * PAGE)
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture(autouse=True)
@@ -73,12 +76,9 @@ def _probe(tmp_path: Path) -> None:
     probe.write_bytes(b"x" * 4 * PAGE)
     if not hasattr(os, "posix_fadvise"):
         pytest.skip("this platform has no posix_fadvise")
-    fd = os.open(probe, os.O_RDONLY)
-    try:
+    with _opened(probe) as fd:
         if resident(fd, 4 * PAGE) is None:
             pytest.skip("mincore cannot tell which pages are cached here")
-    finally:
-        os.close(fd)
     _evict(probe)
     if _count(_resident(probe)):
         pytest.skip("the temporary directory's file system keeps its pages cached (tmpfs)")
@@ -104,12 +104,9 @@ def test_resident_tells_which_pages_are_cached(tmp_path: Path) -> None:
     assert _resident(path) == bytes(9)
     _read_pages(path, 2, 5)
     assert _resident(path) == b"\0\0\1\1\1\0\0\0\0"
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path) as fd:
         assert resident(fd, 0) == b""
         assert resident(fd, 3 * PAGE + 1) == b"\0\0\1\1"  # only the pages asked about
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("cachestat", [True, False], ids=["cachestat", "mincore-only"])
@@ -126,19 +123,15 @@ def test_resident_counts_stretches_then_looks_up_mixed_ones(
     _read_pages(path, 9, 11)  # part of one
     _read_pages(path, 12, 13)  # the last, short one
     assert _resident(path) == b"\1\1\1\1\0\0\0\0\0\1\1\0\1"
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path) as fd:
         assert resident(fd, 10 * PAGE) == b"\1\1\1\1\0\0\0\0\0\1"
-    finally:
-        os.close(fd)
 
 
 def test_resident_of_a_cold_or_wholly_cached_file_looks_up_no_page(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = _cached_file(tmp_path, 9)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path) as fd:
         if _pagecache._cached_count(fd, 0, 9 * PAGE) is None:
             pytest.skip("this kernel has no cachestat (Linux 6.5)")
         assert _pagecache._cached_count(fd, PAGE, 3 * PAGE) == 3
@@ -151,8 +144,6 @@ def test_resident_of_a_cold_or_wholly_cached_file_looks_up_no_page(
         assert resident(fd, 9 * PAGE) == b"\1" * 9
         _evict(path)
         assert resident(fd, 9 * PAGE) == bytes(9)
-    finally:
-        os.close(fd)
 
 
 def _cached_file(tmp_path: Path, pages: int) -> Path:
@@ -167,8 +158,7 @@ def _cached_file(tmp_path: Path, pages: int) -> Path:
 def test_drop_behind_evicts_whole_pages_of_a_range_nothing_cached_before(tmp_path: Path) -> None:
     path = _cached_file(tmp_path, 8)
     nothing = bytes(8)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path) as fd:
         # Unknown state before: nothing goes.
         drop_behind(fd, 0, 8 * PAGE, None)
         assert _count(_resident(path)) == 8
@@ -180,20 +170,15 @@ def test_drop_behind_evicts_whole_pages_of_a_range_nothing_cached_before(tmp_pat
         assert _resident(path) == b"\1\1\0\0\1\1\1\1"
         drop_behind(fd, 5 * PAGE, 8 * PAGE, nothing)
         assert _resident(path) == b"\1\1\0\0\1\0\0\0"
-    finally:
-        os.close(fd)
 
 
 def test_sweep_evicts_every_page_not_cached_before(tmp_path: Path) -> None:
     path = _cached_file(tmp_path, 8)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path) as fd:
         sweep(fd, None)
         assert _count(_resident(path)) == 8
         sweep(fd, b"\1\0\0\1\1\0\0\0")
         assert _resident(path) == b"\1\0\0\1\1\0\0\0"
-    finally:
-        os.close(fd)
 
 
 def test_sweep_evicts_again_what_in_flight_reads_bring_in_after_it(
@@ -211,8 +196,7 @@ def test_sweep_evicts_again_what_in_flight_reads_bring_in_after_it(
         return next(counts)
 
     monkeypatch.setattr(_pagecache, "_cached_count", counted)
-    fd = os.open(path, os.O_RDONLY)
-    try:
+    with _opened(path) as fd:
         sweep(fd, before)
         assert passes == [0, 0]  # counted after each of two eviction passes
         # A file another reader keeps cached: the passes end at the deadline.
@@ -222,8 +206,6 @@ def test_sweep_evicts_again_what_in_flight_reads_bring_in_after_it(
         # Without cachestat: one pass.
         monkeypatch.setattr(_pagecache, "_cached_count", lambda fd, start, length: None)
         sweep(fd, before)
-    finally:
-        os.close(fd)
     monkeypatch.setattr(_pagecache, "_cached_count", real)
     assert _resident(path) == before
 
