@@ -20,7 +20,6 @@ import torch
 from .._cuda import cuda_devices, wait
 from .._gc import paused
 from .._memory import Claim, StagingPool, byte_view, nbytes_of, plain_cpu
-from .._options import auto_threads
 from .._threads import acquire_sync, each_in_thread, run_sync
 from .._tree import Flattened, flatten
 
@@ -98,18 +97,18 @@ def _copy_large(jobs: list[tuple[int, int, int]], threads: int) -> None:
     each_in_thread([partial(lane, pieces[i * k // threads : (i + 1) * k // threads]) for i in range(threads)])
 
 
-def _copy_threads(fresh: bool) -> int:
-    """Threads for copying large tensors into a staging buffer that is ``fresh`` (new) or reused.
+def _copy_threads() -> int:
+    """Threads for copying large tensors into a staging buffer: up to four, as many as torch uses.
 
-    Into new memory, one fewer than the CPUs (as for I/O, :func:`~aiockpt._options.auto_threads`): the
-    first write to each page of it faults (on a VM twice, in the guest and in the host), and with as
-    many threads faulting as there are CPUs the whole machine stalled: on 2 vCPUs, two threads copying
-    2 GiB into new memory stalled the event loop 22-38 ms in 12 of 35 trials, one thread in none of 20
-    (worst 7.5 ms), at about twice the time (1.9 s against 1.0 s). A Checkpointer's later saves reuse
-    the buffer, so only its first save pays that.
+    The same into a Checkpointer's first, new buffer as into the reused one of its later saves. The first
+    write to each page of new memory faults (on a VM twice, in the guest and in the host), so a first
+    save's copy runs at a fraction of the memory's speed, and more threads take the faults sooner. On 2
+    vCPUs, 2 GiB into a new buffer took 0.40-1.38 s (median 0.53 s) with two threads against 0.78-1.70 s
+    (0.95 s) with one, each stalling the event loop over 25 ms in 3 of 15 trials (stalls of the whole
+    machine, mostly, that another process saw too); the benchmark suite's first save returned after
+    3.2-3.5 s against 6.6 s. (One thread had been chosen after earlier trials in which two stalled the
+    loop 22-38 ms in 12 of 35, one in none of 20; see docs/benchmarks.md.)
     """
-    if fresh:
-        return auto_threads()
     return max(1, min(_COPY_THREADS, torch.get_num_threads()))
 
 
@@ -166,7 +165,6 @@ def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
     flat, sources, tensors = layout.flat, layout.sources, layout.flat.tensors
     if not layout.offsets:
         return Staged(flat=flat, sources=sources, buffer=None, nbytes=layout.nbytes, copied=0)
-    fresh = claim.buffer is None
     buffer = pool.take(claim)
     try:
         _copy_small(tensors, layout.small, layout.offsets, buffer)
@@ -181,7 +179,7 @@ def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
             dst = buffer[off : off + nbytes_of(t)].view(t.dtype).view(t.shape)
             dst.copy_(t, non_blocking=t.is_cuda)
         if jobs:
-            _copy_large(jobs, _copy_threads(fresh))
+            _copy_large(jobs, _copy_threads())
         wait(layout.devices)  # the device-to-host copies, enqueued on the caller's streams
     except BaseException:
         pool.release(buffer)
