@@ -104,10 +104,10 @@ def _copy_threads() -> int:
     write to each page of new memory faults (on a VM twice, in the guest and in the host), so a first
     save's copy runs at a fraction of the memory's speed, and more threads take the faults sooner. On 2
     vCPUs, 2 GiB into a new buffer took 0.40-1.38 s (median 0.53 s) with two threads against 0.78-1.70 s
-    (0.95 s) with one, each stalling the event loop over 25 ms in 3 of 15 trials (stalls of the whole
-    machine, mostly, that another process saw too); the benchmark suite's first save returned after
-    3.2-3.5 s against 6.6 s. (One thread had been chosen after earlier trials in which two stalled the
-    loop 22-38 ms in 12 of 35, one in none of 20; see docs/benchmarks.md.)
+    (0.95 s) with one, each stalling the event loop over 25 ms in 3 of 15 trials (half or more of those
+    wakes were stalls of the whole machine, which another process saw too); the benchmark suite's first
+    save returned after 3.2-3.5 s against 6.6 s. (One thread had been chosen after earlier trials in
+    which two stalled the loop 22-38 ms in 12 of 35, one in none of 20; see docs/benchmarks.md.)
     """
     return max(1, min(_COPY_THREADS, torch.get_num_threads()))
 
