@@ -364,18 +364,18 @@ async def read_into(
             checksums.extend(r.chunk.checksums for r in reads)
             by_file: dict[str, list[Piece]] = {}
             to_gpu: dict[str, list[Piece]] = {}  # bound for GPU tensors: in runs of their own
-            in_map: dict[str, list[Piece]] = {}  # mapped tensors' bytes: in runs of their own
+            mapped: dict[str, list[Piece]] = {}  # mapped tensors' bytes: in runs of their own
             for i, r in enumerate(reads):
-                into = in_map if r.mapped else by_file if r.sink is None else to_gpu
+                into = mapped if r.mapped else by_file if r.sink is None else to_gpu
                 into.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
             jobs: list[tuple[str, Run]] = []
-            for pieces_of in (by_file, to_gpu, in_map):
+            for pieces_of in (by_file, to_gpu, mapped):
                 for name, pieces in pieces_of.items():
                     pieces.sort(key=lambda p: p.offset)
                     jobs.extend((name, run) for run in group(pieces))
-            for name, pieces in in_map.items():
+            for name, pieces in mapped.items():
                 held[name] = [(p.offset, p.offset + len(p.view)) for p in pieces]
-            for pieces_of in (to_gpu, in_map):  # every file's pieces together, to open and size it
+            for pieces_of in (to_gpu, mapped):  # every file's pieces together, to open and size it
                 for name, pieces in pieces_of.items():
                     by_file.setdefault(name, []).extend(pieces)
             work.extend(lanes(jobs, threads, lambda job: job[1].end - job[1].offset))
