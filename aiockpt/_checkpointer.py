@@ -191,7 +191,7 @@ class Checkpointer:
         self.on_busy: OnBusy = on_busy
         self.allow_pickle = allow_pickle
         self.io = io or IOConfig()
-        self._pool = StagingPool(staging_budget, wait=on_busy == "wait")
+        self._pool = StagingPool(staging_budget, wait=on_busy == "wait", own_pinned=True)
         self._steps: list[int] = []
         self._inflight: dict[int, SaveHandle] = {}
         self._loading: dict[int, int] = {}

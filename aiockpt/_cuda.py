@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
+import mmap
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -129,3 +132,75 @@ def wait(devices: Iterable[torch.device]) -> None:
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> set[torch.device]:
     """The CUDA devices ``tensors`` are on."""
     return {t.device for t in tensors if t.is_cuda}
+
+
+# cudaHostRegisterPortable: the pages count as pinned for every device's context, not only the current one's.
+_REGISTER_PORTABLE = 1
+
+
+def _in_own_thread(device: int, call: Callable[[], object]) -> bool:
+    """Run a ``torch.cuda.cudart()`` call on ``device`` in a thread of its own; whether it succeeded.
+
+    The CUDA runtime keeps a failed call's error as the calling thread's last error, which torch's next
+    kernel launch check in that thread raises, whatever it launched (seen on an H100 machine). No binding
+    clears it, but it ends with its thread. The device is made current there: otherwise the runtime
+    would make a context on device 0 for the call.
+    """
+    result: list[object] = []
+
+    def run() -> None:
+        with torch.cuda.device(device):
+            result.append(call())
+
+    thread = threading.Thread(target=run, name="aiockpt-cuda-register")
+    thread.start()
+    thread.join()
+    return bool(result) and result[0] == torch.cuda.cudart().cudaError.success  # type: ignore[no-untyped-call]
+
+
+class _Locked(mmap.mmap):
+    """Anonymous memory page-locked for CUDA with ``cudaHostRegister``; unlocked before it is unmapped.
+
+    A tensor made of it by ``torch.frombuffer`` holds a reference to it, so it lives as long as the
+    tensor's storage (any view of it included). Its ``__del__`` runs before ``mmap``'s own deallocation
+    unmaps the pages: the driver never holds a registration of memory that is gone.
+    """
+
+    address = 0  # set once registered
+    device = 0
+
+    def __del__(self) -> None:
+        if not self.address:
+            return
+        address, self.address = self.address, 0
+        # At interpreter shutdown the runtime (or thread creation) may be gone, and the pages with it.
+        with contextlib.suppress(Exception):
+            unregister = torch.cuda.cudart().cudaHostUnregister  # type: ignore[no-untyped-call]
+            _in_own_thread(self.device, lambda: unregister(address))
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """``nbytes`` (> 0) of page-locked host memory as a ``uint8`` tensor, freed with its storage.
+
+    ``torch.empty(..., pin_memory=True)`` rounds every block up to a power of two and keeps freed
+    blocks cached for reuse, never unlocking them: a 2.1 GiB staging buffer holds 4 GiB of locked
+    memory for the rest of the process. This registers exactly ``nbytes`` (rounded up to whole pages) of
+    anonymous memory instead, unregistered and unmapped once the last view of the tensor is gone. Where
+    registering fails (a platform without it, or no memory left to lock), it falls back to torch's
+    allocator. On an H100 machine, 2.1 GiB took 1.29-1.35 s to register and 0.38-0.45 s to free, where
+    torch's allocator took 2.06 s (for its 4 GiB block); copies from the device ran at 55 GB/s into both.
+
+    Blocking (registering locks every page): call it in a worker thread, with the device current that
+    the copies will use (see :func:`current`).
+    """
+    locked = _Locked(-1, nbytes)
+    anchor = ctypes.c_char.from_buffer(locked)
+    address = ctypes.addressof(anchor)
+    del anchor  # the export would keep the mapping from being closed
+    device = torch.cuda.current_device()
+    register = torch.cuda.cudart().cudaHostRegister  # type: ignore[no-untyped-call]
+    if not _in_own_thread(device, lambda: register(address, nbytes, _REGISTER_PORTABLE)):
+        del locked
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    locked.address, locked.device = address, device
+    return torch.frombuffer(locked, dtype=torch.uint8)

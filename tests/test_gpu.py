@@ -8,6 +8,8 @@ before the call on a side stream then has not run yet when the copy does.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import threading
 from collections.abc import Callable
@@ -141,6 +143,71 @@ def test_device_reader_verifies_runs_and_copies_them_into_their_sinks(tmp_path: 
         os.close(fd)
 
 
+class _FakeCudart:
+    """Stands in for ``torch.cuda.cudart()``: records registrations, fails them when told to."""
+
+    class cudaError:  # the runtime's names
+        success = 0
+        memory_allocation = 2
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[tuple[str, int, int]] = []
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+        self.calls.append(("register", address, size))
+        return self.cudaError.memory_allocation if self.fail else self.cudaError.success
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address, 0))
+        return self.cudaError.success
+
+
+def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_last_view_dies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CPU-only: the registration calls are faked; what is checked is the size, and that the pages are
+    # unregistered once (not before the last view of the tensor is gone, and before they are unmapped).
+    from aiockpt import _cuda
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    n = 3 * 2**20 + 5  # torch's pinned allocator would take 4 MiB
+    buf = _cuda.pinned_empty(n)
+    assert buf.numel() == n
+    assert buf.dtype == torch.uint8
+    assert fake.calls == [("register", buf.data_ptr(), n)]
+    buf.fill_(7)
+    view = buf[n - 10 :]
+    del buf
+    gc.collect()
+    assert len(fake.calls) == 1, "a view still uses the memory"
+    assert int(view.sum()) == 70
+    del view
+    gc.collect()
+    assert [c[0] for c in fake.calls] == ["register", "unregister"]
+    assert fake.calls[1][1] == fake.calls[0][1]
+
+    # Where registering fails, torch's own pinned allocator is used (here: faked, as there is no CUDA).
+    fake = _FakeCudart(fail=True)
+    asked: list[dict[str, object]] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        asked.append(kwargs)
+        return real_empty(*args, **{k: v for k, v in kwargs.items() if k != "pin_memory"})
+
+    monkeypatch.setattr(torch, "empty", empty)
+    buf = _cuda.pinned_empty(n)
+    assert buf.numel() == n
+    assert asked == [{"dtype": torch.uint8, "pin_memory": True}]
+    del buf
+    gc.collect()
+    assert [c[0] for c in fake.calls] == ["register"], "nothing to unregister"
+
+
 @on_gpu
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")  # torch, on complex32
 @pytest.mark.parametrize("async_op", [False, True], ids=["durable", "async_op"])
@@ -239,6 +306,61 @@ async def test_staging_buffer_is_pinned_and_reused(root: Path) -> None:
             (again,) = pool._free
             assert again.data_ptr() == first.data_ptr(), "the pinned buffer is reused, not reallocated"
         assert torch.equal(tensor_at(await ckpt.read(4), "w"), state["w"].cpu())
+
+
+@on_gpu
+async def test_staging_buffer_is_as_large_as_the_state_and_not_torch_cached_pinned_memory(root: Path) -> None:
+    from aiockpt._save import _stage
+
+    # 3 MiB and 12 bytes (and alignment): torch's pinned allocator would hand out (and keep) 4 MiB.
+    state = {"w": torch.randn(3 << 18, device="cuda"), "b": torch.randn(3, device="cuda")}
+    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+    before = stats()["allocated_bytes.current"] if stats else None
+    async with aiockpt.Checkpointer(root) as ckpt:
+        handle = await ckpt.save(state, step=1, async_op=True)
+        _scribble(state)
+        await handle
+        (buffer,) = ckpt._pool._free
+        assert buffer.is_pinned()
+        assert buffer.numel() == _stage.plan_stage(state, copy=True, allow_pickle=False).total < 4 << 20
+        if stats:
+            assert stats()["allocated_bytes.current"] == before, "not from torch's caching host allocator"
+    assert not ckpt._pool._free
+
+
+class _RegisteringTwice:
+    """Wraps ``torch.cuda.cudart()``: each registration fails (the range is registered twice, then undone)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.cudaError = real.cudaError
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> object:
+        assert self.real.cudaHostRegister(address, size, flags) == self.cudaError.success
+        err = self.real.cudaHostRegister(address, size, flags)  # already registered: fails
+        self.real.cudaHostUnregister(address)
+        return err
+
+    def cudaHostUnregister(self, address: int) -> object:
+        return self.real.cudaHostUnregister(address)
+
+
+@on_gpu
+def test_a_failed_registration_falls_back_to_torch_and_leaves_no_cuda_error_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The runtime keeps a failed call's error for the thread's next kernel launch check; pinned_empty
+    # registers in a thread of its own, so the caller's next kernel is not failed by it.
+    from aiockpt import _cuda
+
+    real = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _RegisteringTwice(real))
+    buf = _cuda.pinned_empty(3 << 20)
+    assert buf.numel() == 3 << 20
+    assert buf.is_pinned()
+    x = torch.ones(4, device="cuda").mul_(2)
+    torch.cuda.synchronize()
+    assert float(x.sum()) == 8.0
 
 
 @on_gpu
