@@ -364,6 +364,33 @@ def test_a_failed_registration_falls_back_to_torch_and_leaves_no_cuda_error_behi
 
 
 @on_gpu
+@pytest.mark.parametrize("cat", ["works", "out of memory"])
+async def test_many_small_gpu_tensors_are_gathered_in_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cat: str
+) -> None:
+    from aiockpt._save import _stage
+
+    monkeypatch.setattr(_stage, "_GATHER", 1000)  # groups of a few tensors
+    if cat == "out of memory":
+
+        def out_of_memory(group: list[torch.Tensor]) -> torch.Tensor:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1000 bytes")
+
+        monkeypatch.setattr(torch, "cat", out_of_memory)
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    dtypes = [torch.float32, torch.bfloat16, torch.bool, torch.int64, torch.complex64, torch.uint8]
+    shapes = [(), (7,), (3, 5), (33, 2), (5, 40)]
+    expected = {f"t{i}": random_tensor(dtypes[i % 6], shapes[i % 5], gen_a) for i in range(120)}
+    state = {f"t{i}": random_tensor(dtypes[i % 6], shapes[i % 5], gen_b).cuda() for i in range(120)}
+    state["t7"] = state["t7"].t()  # non-contiguous, as expected["t7"]
+    expected["t7"] = expected["t7"].t()
+    handle = await aiockpt.save(state, tmp_path / "ckpt", async_op=True)
+    _scribble(state)
+    await handle
+    assert_tree_equal(await aiockpt.read(tmp_path / "ckpt"), expected)
+
+
+@on_gpu
 async def test_async_save_copies_after_the_callers_side_stream_work(tmp_path: Path) -> None:
     t = torch.zeros(1 << 20, device="cuda")
     torch.cuda.synchronize()

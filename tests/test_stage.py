@@ -85,3 +85,112 @@ async def test_every_save_copies_large_tensors_over_as_many_threads_as_torch_use
             await handle
         assert_tree_equal(await ckpt.read(1), expected)
     assert calls == [max(1, min(4, torch.get_num_threads()))] * 2
+
+
+def _small_tensors(gen: torch.Generator) -> list[torch.Tensor]:
+    """Small tensors of several dtypes and layouts (0-d, non-contiguous, lazy conjugate) on the CPU."""
+    return [
+        torch.randn(3, 5, generator=gen),
+        torch.randint(0, 2, (7,), generator=gen).bool(),
+        torch.tensor(2.5, dtype=torch.bfloat16),
+        torch.randn(6, 4, generator=gen, dtype=torch.float64).t(),
+        torch.randn(4, generator=gen, dtype=torch.complex64).conj(),
+        torch.randint(-100, 100, (9, 3), generator=gen, dtype=torch.int16)[::2],
+    ]
+
+
+def _packed(tensors: list[torch.Tensor], at: int) -> tuple[list[int], dict[int, int], torch.Tensor]:
+    """Indices, back-to-back offsets from ``at`` (odd sizes included) and a zeroed buffer for ``tensors``."""
+    offsets, pos = {}, at
+    for i, t in enumerate(tensors):
+        offsets[i] = pos
+        pos += t.nbytes
+    return list(range(len(tensors))), offsets, torch.zeros(pos + 16, dtype=torch.uint8)
+
+
+def _expected_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.resolve_conj().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+@pytest.mark.parametrize("limit", [8 << 20, 64, 1])
+def test_small_device_tensors_are_gathered_in_groups_and_copied_out_once_per_group(
+    monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    # Device-agnostic code, run on CPU tensors: each group is one torch.cat and one copy into the buffer;
+    # a group closes before the tensor that would take it past _GATHER bytes (but always takes one).
+    monkeypatch.setattr(_stage, "_GATHER", limit)
+    tensors = _small_tensors(torch.Generator().manual_seed(3))
+    cats: list[int] = []
+    real_cat = torch.cat
+
+    def counting_cat(group: list[torch.Tensor]) -> torch.Tensor:
+        cats.append(sum(t.numel() for t in group))
+        return real_cat(group)
+
+    monkeypatch.setattr(torch, "cat", counting_cat)
+    gathered, offsets, buffer = _packed(tensors, at=3)
+    _stage._copy_gathered(tensors, gathered, offsets, buffer)
+    monkeypatch.setattr(torch, "cat", real_cat)
+    end = 3 + sum(t.nbytes for t in tensors)
+    assert torch.equal(buffer[3:end], _expected_bytes(tensors))
+    assert not buffer[:3].any()
+    assert not buffer[end:].any()
+    sizes = [t.nbytes for t in tensors]
+    assert sizes == [60, 7, 2, 192, 32, 30]
+    assert cats == {8 << 20: [sum(sizes)], 64: [60, 7 + 2, 192, 32 + 30], 1: sizes}[limit]
+
+
+def test_gathering_falls_back_to_one_copy_per_tensor_when_the_device_is_out_of_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def out_of_memory(group: list[torch.Tensor]) -> torch.Tensor:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 MiB")
+
+    monkeypatch.setattr(torch, "cat", out_of_memory)
+    tensors = _small_tensors(torch.Generator().manual_seed(4))
+    gathered, offsets, buffer = _packed(tensors, at=1)
+    _stage._copy_gathered(tensors, gathered, offsets, buffer)
+    monkeypatch.undo()
+    assert torch.equal(buffer[1 : 1 + sum(t.nbytes for t in tensors)], _expected_bytes(tensors))
+
+
+def test_small_gpu_tensors_are_laid_out_packed_each_devices_together_and_large_ones_aligned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # plan_stage only reads devices and sizes: CPU tensors stand in for GPU ones by their is_cuda/device.
+    class FakeGpu(torch.Tensor):
+        fake_index = 0
+
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+        @property
+        def is_cpu(self) -> bool:  # type: ignore[override]
+            return False
+
+        @property
+        def device(self) -> torch.device:  # type: ignore[override]
+            return torch.device("cuda", self.fake_index)
+
+    def gpu(n: int, index: int) -> torch.Tensor:
+        t = torch.zeros(n, dtype=torch.uint8).as_subclass(FakeGpu)
+        t.fake_index = index
+        return t
+
+    monkeypatch.setattr(_stage, "cuda_devices", lambda ts: {t.device for t in ts})
+    cpu = torch.zeros(3, dtype=torch.uint8)
+    state = {"a": gpu(5, 1), "b": cpu, "c": gpu(7, 0), "d": gpu(70_000, 0), "e": gpu(9, 1)}
+    layout = _stage.plan_stage(state, copy=True, allow_pickle=False)
+    key = {id(t): k for k, t in state.items()}
+
+    def names(indices: list[int]) -> list[str]:
+        return [key[id(layout.flat.tensors[i])] for i in indices]
+
+    assert names(layout.small) == ["b"]
+    assert names(layout.gathered) == ["c", "a", "e"]  # device 0 first, then device 1 in state order
+    assert names(layout.large) == ["d"]
+    at = {key[id(layout.flat.tensors[i])]: off for i, off in layout.offsets.items()}
+    assert at == {"b": 0, "c": 3, "a": 10, "e": 15, "d": 64}
+    assert layout.total == 64 + 70_000
+    assert layout.devices == {torch.device("cuda", 0), torch.device("cuda", 1)}
