@@ -83,12 +83,33 @@ def test_without_cuda_in_use_calls_run_unwrapped() -> None:
         assert _cuda.as_caller(fn) is fn
 
 
-def test_device_reader_verifies_runs_and_copies_them_into_their_sinks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("copies", ["one by one", "scattered", "scattered, out of memory"])
+def test_device_reader_verifies_runs_and_copies_them_into_their_sinks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copies: str
+) -> None:
     """The reader of GPU-bound runs, on CPU sinks: bytes land at their places, damage is reported."""
     import crc32c
 
+    from aiockpt._load import _device
     from aiockpt._load._device import DeviceReader
     from aiockpt._runs import Piece, group, split
+
+    scattered: list[int] = []
+    if copies != "one by one":  # the last two spans (150,000 and 70,000 bytes) are scattered, not the first
+        monkeypatch.setattr(_device, "_SCATTER_BELOW", 180_000)
+        real_scatter = _device._scatter
+
+        def spy(buffer: torch.Tensor, spans: list[_device.Span]) -> None:
+            scattered.append(len(spans))
+            real_scatter(buffer, spans)
+
+        monkeypatch.setattr(_device, "_scatter", spy)
+    if copies == "scattered, out of memory":
+
+        def out_of_memory(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+        monkeypatch.setattr(torch.Tensor, "to", out_of_memory)
 
     block = 64 << 10
     gen = torch.Generator().manual_seed(5)
@@ -126,6 +147,7 @@ def test_device_reader_verifies_runs_and_copies_them_into_their_sinks(tmp_path: 
         assert reader.read(fd, runs[0], locate, checksums) == ([], [])
         for item, (offset, n) in enumerate(layout):
             assert torch.equal(landed(item), data[offset : offset + n]), f"chunk {item}"
+        assert scattered == ([] if copies == "one by one" else [2])
 
         first_two.zero_()
         third.zero_()

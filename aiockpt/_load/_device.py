@@ -3,8 +3,9 @@
 A file cannot be read into GPU memory. Each reader thread reads the runs bound for GPU tensors into one
 of its own two pinned host buffers (each as long as its longest such run: 8 MiB, or one checksum block),
 verifies their blocks there, and enqueues their copies to the device on the caller's current stream
-(asynchronous DMA from pinned memory); before it reads into a buffer again, it waits for the copies out
-of it, which by then are long done. So a load into GPU tensors holds two runs of host memory per reader,
+(asynchronous DMA from pinned memory; many small tensors' bytes in one copy, scattered on the device: see
+_scatter); before it reads into a buffer again, it waits for the copies out of it, which by then are
+long done. So a load into GPU tensors holds two runs of host memory per reader,
 whatever the tensors' size, and the copies overlap the reads.
 
 Measured on an H100 machine, against the alternatives: one pinned buffer as large as the GPU tensors
@@ -39,6 +40,37 @@ def sink_of(t: torch.Tensor) -> torch.Tensor | None:
 
 # Where a piece's bytes go: a flat uint8 tensor (see sink_of) and the byte position in it.
 Locate = Callable[[Piece], tuple[torch.Tensor, int]]
+# A copy's span: its sink, the position there, the offset in the reader's buffer, and its bytes.
+Span = tuple[torch.Tensor, int, int, int]
+# Spans shorter than this are not copied one by one: see _scatter.
+_SCATTER_BELOW = 64 << 10
+
+
+def _scatter(buffer: torch.Tensor, spans: list[Span]) -> None:
+    """Copy many small spans of ``buffer`` (pinned) to their sinks: one copy to each device, then a scatter.
+
+    A copy per span costs a launch and a few Python calls each, which for thousands of small tensors
+    take far longer than their bytes. Instead the part of the buffer that holds a device's spans goes to
+    that device in one copy, and one ``torch._foreach_copy_`` (a few kernels) puts each span in its sink,
+    all on the current stream. Where the device has no memory to spare for that part (at most the
+    buffer's size), its spans are copied one by one. On an H100 machine, 20,000 spans of 4 KiB took
+    0.17-0.24 s one by one and 0.04-0.05 s so; a cold load of 20,000 such GPU tensors 0.64-0.84 s
+    against 1.21-1.28 s.
+    """
+    by_device: dict[torch.device, list[Span]] = {}
+    for span in spans:
+        by_device.setdefault(span[0].device, []).append(span)
+    for device, group in by_device.items():
+        lo = min(a for _, _, a, _ in group)
+        hi = max(a + m for _, _, a, m in group)
+        try:
+            part = buffer[lo:hi].to(device, non_blocking=True)
+        except torch.cuda.OutOfMemoryError:
+            for s, q, a, m in group:
+                s[q : q + m].copy_(buffer[a : a + m], non_blocking=True)
+            continue
+        sinks = [s[q : q + m] for s, q, _, m in group]
+        torch._foreach_copy_(sinks, [part[a - lo : a - lo + m] for _, _, a, m in group])
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
@@ -98,7 +130,7 @@ class DeviceReader:
 
     def _copy_out(self, k: int, run: Run, locate: Locate) -> list[torch.cuda.Event]:
         """Enqueue the copies of buffer ``k``'s pieces; consecutive pieces of one sink go in one copy."""
-        spans: list[tuple[torch.Tensor, int, int, int]] = []  # sink, position, buffer offset, bytes
+        spans: list[Span] = []
         for p in run.pieces:
             n = len(p.view)
             if not n:
@@ -112,6 +144,10 @@ class DeviceReader:
                     continue
             spans.append((sink, pos, at, n))
         buffer = self._buffers[k]
+        small = [span for span in spans if span[3] < _SCATTER_BELOW]
+        if len(small) > 1:
+            _scatter(buffer, small)
+            spans = [span for span in spans if span[3] >= _SCATTER_BELOW]
         for s, q, a, m in spans:
             s[q : q + m].copy_(buffer[a : a + m], non_blocking=True)
-        return [record(d) for d in cuda_devices(s for s, _, _, _ in spans)]
+        return [record(d) for d in cuda_devices(s for s, _, _, _ in spans + small)]
