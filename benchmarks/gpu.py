@@ -1,10 +1,11 @@
 """GPU benchmark: saving a state that lives on a CUDA device, and loading a checkpoint back into one.
 
     python -m benchmarks.gpu [--size-gib 2] [--repeat 3] [--dir ./bench-out]
-                             [--only limits,aiockpt,fresh,torch,dcp]
+                             [--only limits,aiockpt,fresh,torch,dcp] [--small COUNT]
 
-State A of the main suite (bf16 matrices and fp32 vectors) on ``cuda:0``. In the same run, on the same
-state, each case timed ``--repeat`` times while a sibling task measures the event loop's lag:
+State A of the main suite (bf16 matrices and fp32 vectors) on ``cuda:0``; with ``--small COUNT``, state
+B instead: COUNT fp32 tensors of 4 KiB each. In the same run, on the same state, each case timed
+``--repeat`` times while a sibling task measures the event loop's lag:
 
 - the machine's limits: device-to-host copy into reused pinned memory, host-to-device copy from pinned
   and from pageable memory, allocating pinned memory, fsync'd sequential write (1 and 2 threads) and
@@ -41,7 +42,7 @@ from ._baselines import TORCH_FILE, dcp_load_into, dcp_save, torch_load_mmap_int
 from ._fs import drop_cache, remove, scratch_dir
 from ._lag import LagMonitor
 from ._limits import cold_read, fsync_write
-from ._state import State, build_transformer_state, byte_views, state_nbytes
+from ._state import State, build_small_state, build_transformer_state, byte_views, state_nbytes
 
 _GROUPS = ("limits", "aiockpt", "fresh", "torch", "dcp")
 
@@ -265,8 +266,9 @@ def _report(cases: Cases, nbytes: int, args: argparse.Namespace) -> str:
     lines = [
         f"Device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, aiockpt from "
         f"{Path(aiockpt.__file__).parent}",
-        f"State: {nbytes / 2**30:.2f} GiB on cuda:0; command: python -m benchmarks.gpu --size-gib "
-        f"{args.size_gib} --repeat {args.repeat} --only {args.only}",
+        f"State: {nbytes / 2**30:.2f} GiB on cuda:0; command: python -m benchmarks.gpu "
+        + (f"--small {args.small}" if args.small else f"--size-gib {args.size_gib}")
+        + f" --repeat {args.repeat} --only {args.only}",
         "",
         "| case | best s | median s | GB/s (best) | loop lag p99 / max ms |",
         "| --- | --: | --: | --: | --: |",
@@ -285,7 +287,10 @@ def _report(cases: Cases, nbytes: int, args: argparse.Namespace) -> str:
 async def run(args: argparse.Namespace, scratch: Path) -> Cases:
     """Build the state, run the selected cases and print the report; return the cases."""
     groups = set(args.only.split(","))
-    cpu = build_transformer_state(int(args.size_gib * 2**30))
+    if args.small:
+        cpu = build_small_state(args.small, 4096)
+    else:
+        cpu = build_transformer_state(int(args.size_gib * 2**30))
     state = {k: t.cuda() for k, t in cpu.items()}
     b = Bench(state, {k: torch.zeros_like(t) for k, t in state.items()}, cpu, scratch, args.repeat)
     _sync()
@@ -314,6 +319,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default="bench-out")
     parser.add_argument("--only", default=",".join(_GROUPS), help=f"comma-separated of {', '.join(_GROUPS)}")
+    parser.add_argument("--small", type=int, default=0, help="state B: this many 4 KiB tensors")
     parser.add_argument("--json", help="also write the seconds and lag of every case to this file")
     parser.add_argument("--child-load", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
