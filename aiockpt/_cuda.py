@@ -193,7 +193,11 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     Blocking (registering locks every page): call it in a worker thread, with the device current that
     the copies will use (see :func:`current`).
     """
-    locked = _Locked(-1, nbytes)
+    # Private (Python's default for anonymous memory is shared), and not inherited by a forked child:
+    # a child (a data loader's worker) would otherwise share pages the device writes into, or copy them.
+    locked = _Locked(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_DONTFORK"):
+        locked.madvise(mmap.MADV_DONTFORK)
     anchor = ctypes.c_char.from_buffer(locked)
     address = ctypes.addressof(anchor)
     del anchor  # the export would keep the mapping from being closed

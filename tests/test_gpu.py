@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -201,6 +202,12 @@ def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_la
     assert buf.numel() == n
     assert buf.dtype == torch.uint8
     assert fake.calls == [("register", buf.data_ptr(), n)]
+    if sys.platform == "linux":  # a private mapping that a forked child does not inherit
+        smaps = Path("/proc/self/smaps").read_text().split("\n")
+        at = next(i for i, line in enumerate(smaps) if line.startswith(f"{buf.data_ptr():x}-"))
+        assert smaps[at].split()[1].endswith("p")
+        flags = next(line for line in smaps[at:] if line.startswith("VmFlags:")).split()
+        assert "dc" in flags
     buf.fill_(7)
     view = buf[n - 10 :]
     del buf
