@@ -152,7 +152,7 @@ def _in_own_thread(device: int, call: Callable[[], object]) -> bool:
         with torch.cuda.device(device):
             result.append(call())
 
-    thread = threading.Thread(target=run, name="aiockpt-cuda-register")
+    thread = threading.Thread(target=run, name="aiockpt-cuda-pin")
     thread.start()
     thread.join()
     return bool(result) and result[0] == torch.cuda.cudart().cudaError.success  # type: ignore[no-untyped-call]

@@ -5,8 +5,8 @@ of its own two pinned host buffers (each as long as its longest such run: 8 MiB,
 verifies their blocks there, and enqueues their copies to the device on the caller's current stream
 (asynchronous DMA from pinned memory; many small tensors' bytes in one copy, scattered on the device: see
 _scatter); before it reads into a buffer again, it waits for the copies out of it, which by then are
-long done. So a load into GPU tensors holds two runs of host memory per reader,
-whatever the tensors' size, and the copies overlap the reads.
+long done. So a load into GPU tensors holds two runs of host memory per reader, whatever the tensors'
+size, and the copies overlap the reads.
 
 Measured on an H100 machine, against the alternatives: one pinned buffer as large as the GPU tensors
 took 1.36 s to allocate for 2 GiB (longer than the whole load; torch caches it afterwards, so only a
