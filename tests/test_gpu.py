@@ -98,6 +98,7 @@ def test_device_reader_verifies_runs_and_copies_them_into_their_sinks(
     scattered: list[int] = []
     if copies != "one by one":  # the last two spans (150,000 and 70,000 bytes) are scattered, not the first
         monkeypatch.setattr(_device, "_SCATTER_BELOW", 180_000)
+        monkeypatch.setattr(_device, "_SCATTER_BATCH", 1)  # in two _foreach_copy_ calls
         real_scatter = _device._scatter
 
         def spy(buffer: torch.Tensor, spans: list[_device.Span]) -> None:

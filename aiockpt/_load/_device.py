@@ -44,6 +44,8 @@ Locate = Callable[[Piece], tuple[torch.Tensor, int]]
 Span = tuple[torch.Tensor, int, int, int]
 # Spans shorter than this are not copied one by one: see _scatter.
 _SCATTER_BELOW = 64 << 10
+# Spans per _foreach_copy_: building the lists of views holds the GIL, the call itself releases it.
+_SCATTER_BATCH = 128
 
 
 def _scatter(buffer: torch.Tensor, spans: list[Span]) -> None:
@@ -55,7 +57,11 @@ def _scatter(buffer: torch.Tensor, spans: list[Span]) -> None:
     all on the current stream. Where the device has no memory to spare for that part (at most the
     buffer's size), its spans are copied one by one. On an H100 machine, 20,000 spans of 4 KiB took
     0.17-0.24 s one by one and 0.04-0.05 s so; a cold load of 20,000 such GPU tensors 0.64-0.84 s
-    against 1.21-1.28 s.
+    against 1.21-1.28 s, but with one ``_foreach_copy_`` per 8 MiB buffer (2,048 spans) its loop-lag
+    p99 was 2.05-3.01 ms against 0.83-1.37 ms: the lists of views are built holding the GIL. So they
+    are built and copied ``_SCATTER_BATCH`` spans at a time (on the CPU host, scattering 10 x 2,048
+    spans of 4 KiB into CPU tensors in a worker thread, 10 rounds: loop-lag p99 4.70-6.36 ms in one
+    call per buffer, 0.67-1.74 ms in calls of 128, median time 0.075 against 0.065 s).
     """
     by_device: dict[torch.device, list[Span]] = {}
     for span in spans:
@@ -69,8 +75,10 @@ def _scatter(buffer: torch.Tensor, spans: list[Span]) -> None:
             for s, q, a, m in group:
                 s[q : q + m].copy_(buffer[a : a + m], non_blocking=True)
             continue
-        sinks = [s[q : q + m] for s, q, _, m in group]
-        torch._foreach_copy_(sinks, [part[a - lo : a - lo + m] for _, _, a, m in group])
+        for i in range(0, len(group), _SCATTER_BATCH):
+            batch = group[i : i + _SCATTER_BATCH]
+            sinks = [s[q : q + m] for s, q, _, m in batch]
+            torch._foreach_copy_(sinks, [part[a - lo : a - lo + m] for _, _, a, m in batch])
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> int:
