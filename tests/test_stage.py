@@ -112,7 +112,7 @@ def _expected_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.resolve_conj().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
-@pytest.mark.parametrize("limit", [8 << 20, 64, 1])
+@pytest.mark.parametrize("limit", [512 << 10, 64, 1])
 def test_small_device_tensors_are_gathered_in_groups_and_copied_out_once_per_group(
     monkeypatch: pytest.MonkeyPatch, limit: int
 ) -> None:
@@ -137,7 +137,7 @@ def test_small_device_tensors_are_gathered_in_groups_and_copied_out_once_per_gro
     assert not buffer[end:].any()
     sizes = [t.nbytes for t in tensors]
     assert sizes == [60, 7, 2, 192, 32, 30]
-    assert cats == {8 << 20: [sum(sizes)], 64: [60, 7 + 2, 192, 32 + 30], 1: sizes}[limit]
+    assert cats == {512 << 10: [sum(sizes)], 64: [60, 7 + 2, 192, 32 + 30], 1: sizes}[limit]
 
 
 def test_gathering_falls_back_to_one_copy_per_tensor_when_the_device_is_out_of_memory(
