@@ -93,11 +93,11 @@ def _copy_gathered(
     concatenation needs ``_GATHER`` bytes of device memory: where the device has none to spare, the
     group's tensors are copied one by one instead. Enqueues only: wait for the devices before reading.
 
-    Groups are small (512 KiB) because forming one is Python that holds the GIL: on the CPU host, the
-    same code over 20,000 CPU tensors of 4 KiB in a worker thread, two sets of 10 rounds, kept the
-    loop-lag p99 at a median of 0.71 and 0.27 ms (0.16-1.90 ms) in groups of 512 KiB against 1.94
-    and 0.93 ms (0.68-4.71 ms) in groups of 8 MiB, as fast; on the H100, with 8 MiB groups, state B's
-    saves had a loop-lag p99 of 1.33-2.65 ms against 1.15-1.31 ms one ``copy_`` each.
+    Groups are small (512 KiB) because forming one is Python that holds the GIL: on the H100, with
+    8 MiB groups, state B's saves had a loop-lag p99 of 1.33-2.65 ms against 1.15-1.31 ms one
+    ``copy_`` each; ``python -m benchmarks.batches`` (a proxy on CPU tensors, two runs on the 2-vCPU
+    host) gave a p99 of 3.74 and 3.25 ms in groups of 8 MiB, 0.67 and 0.98 ms in groups of 512 KiB,
+    as fast.
     """
     start = 0
     while start < len(gathered):
