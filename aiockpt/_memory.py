@@ -164,20 +164,31 @@ class StagingPool:
             return pinned_empty(claim.nbytes)
         return torch.empty(claim.nbytes, dtype=torch.uint8, pin_memory=pinned)
 
-    def forget(self, claim: Claim) -> None:
-        """Undo a claim that was never taken (its save ended first)."""
+    def forget(self, claim: Claim) -> list[torch.Tensor]:
+        """Undo a claim that was never taken (its save ended first); return the buffers to free.
+
+        The buffer it would have reused goes back to the kept ones (unless the pool is closed). The
+        buffers it evicted to make room are returned to be dropped, with that one once the pool is
+        closed (the budget counts neither any more): the caller drops them in a worker thread, since
+        freeing a buffer can take long (unlocking and unmapping 2 GiB of pinned memory: 0.4 s) and this
+        runs on the event loop.
+        """
         if claim.taken:
-            return
+            return []
         claim.taken = True
+        reused, dropped = claim.buffer, claim.evicted
+        claim.buffer, claim.evicted = None, []
         with self._lock:
-            if claim.buffer is not None:
-                self._in_use -= claim.buffer.numel()
-                if not self._closed:
-                    self._free.append(claim.buffer)
-                claim.buffer = None
+            if reused is not None:
+                self._in_use -= reused.numel()
+                if self._closed:
+                    dropped.append(reused)
+                else:
+                    self._free.append(reused)
             else:
                 self._in_use -= claim.nbytes
         self.notify()
+        return dropped
 
     def release(self, buf: torch.Tensor) -> None:
         """Give back a buffer from :meth:`take` for reuse (dropped if the pool is closed)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from conftest import assert_tree_equal, snapshot
 
 import aiockpt
+from aiockpt._memory import StagingPool
 from aiockpt._options import IOConfig
 from aiockpt._save import _stage
 from aiockpt._threads import each_in_thread, responsive
@@ -194,3 +197,63 @@ def test_small_gpu_tensors_are_laid_out_packed_each_devices_together_and_large_o
     assert at == {"b": 0, "c": 3, "a": 10, "e": 15, "d": 64}
     assert layout.total == 64 + 70_000
     assert layout.devices == {torch.device("cuda", 0), torch.device("cuda", 1)}
+
+
+def _freed_in(buffers: list[torch.Tensor]) -> list[int]:
+    """Filled with the thread id that drops each of ``buffers`` last."""
+    seen: list[int] = []
+    for b in buffers:
+        weakref.finalize(b, lambda: seen.append(threading.get_ident()))
+    return seen
+
+
+async def test_a_claim_given_up_before_its_copy_keeps_its_buffer_and_frees_the_evicted_off_the_loop() -> None:
+    pool = StagingPool(budget=100)
+    kept = [await pool.claim(60, pinned=False), await pool.claim(30, pinned=False)]
+    for claim in kept:
+        pool.release(pool.take(claim))
+    assert pool.held_bytes == 90
+
+    reusing = await pool.claim(25, pinned=False)  # reuses the 30-byte buffer
+    assert pool.forget(reusing) == []
+    assert pool.held_bytes == 90, "the buffer it would have reused is kept again"
+    assert pool.in_use_bytes == 0
+
+    evicting = await pool.claim(70, pinned=False)  # drops the 60-byte buffer for room (30 + 70 fit)
+    assert [b.numel() for b in evicting.evicted] == [60]
+    freed = _freed_in(evicting.evicted)
+    dropped = pool.forget(evicting)
+    assert [b.numel() for b in dropped] == [60], "not kept again: the budget no longer counts it"
+    assert pool.held_bytes == 30
+    assert pool.in_use_bytes == 0
+    assert pool.forget(evicting) == [], "forgetting twice gives nothing back twice"
+    del dropped
+    gc.collect()
+    assert freed == [threading.get_ident()]  # here: the test dropped them itself
+
+    closing = await pool.claim(30, pinned=False)
+    pool.close()
+    assert [b.numel() for b in pool.forget(closing)] == [30], "a closed pool keeps nothing"
+    assert pool.in_use_bytes == 0
+
+
+async def test_a_save_given_up_before_its_copy_frees_what_its_claim_evicted_in_a_worker_thread(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with aiockpt.Checkpointer(root, staging_budget=1 << 20) as ckpt:
+        small = {"w": torch.randn(1 << 16)}  # 256 KiB, kept after its save
+        await (await ckpt.save(small, step=1, async_op=True))
+        (kept,) = ckpt._pool._free
+        freed = _freed_in([kept])
+        del kept
+
+        async def fail_before_copying(fn: object, limiter: object = None) -> object:
+            raise RuntimeError("given up before the copy")
+
+        monkeypatch.setattr(_stage, "acquire_sync", fail_before_copying)
+        with pytest.raises(RuntimeError, match="given up before the copy"):
+            await ckpt.save({"w": torch.randn(200_000)}, step=2, async_op=True)  # 800 KB: evicts it
+        gc.collect()
+        assert len(freed) == 1
+        assert freed[0] != threading.get_ident(), "freed off the event loop's thread"
+        assert ckpt._pool.in_use_bytes == 0

@@ -270,4 +270,9 @@ async def stage(
         pool.notify()  # a failed copy gave its buffer back
         raise
     finally:
-        pool.forget(claim)  # no-op once taken; the buffer then travels with the Staged result
+        # No-op once taken (the buffer then travels with the Staged result); else what the claim held
+        # is given back, and what must be freed is freed off the event loop.
+        dropped = pool.forget(claim)
+        if dropped:
+            with anyio.CancelScope(shield=True):
+                await run_sync(dropped.clear)
