@@ -186,13 +186,16 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     blocks cached for reuse, never unlocking them: a 2.1 GiB staging buffer holds 4 GiB of locked
     memory for the rest of the process. This registers exactly ``nbytes`` (rounded up to whole pages) of
     anonymous memory instead, unregistered and unmapped once the last view of the tensor is gone. Where
-    registering fails (a platform without it, or no memory left to lock), it falls back to torch's
-    allocator. On an H100 machine, 2.1 GiB took 1.29-1.35 s to register and 0.38-0.45 s to free, where
-    torch's allocator took 2.06 s (for its 4 GiB block); copies from the device ran at 55 GB/s into both.
+    registering fails (a platform without it, or no memory left to lock), or on Windows, it falls back
+    to torch's allocator. On an H100 machine, 2.1 GiB took 1.29-1.35 s to register and 0.38-0.45 s to
+    free, where torch's allocator took 2.06 s (for its 4 GiB block); copies from the device ran at
+    55 GB/s into both.
 
     Blocking (registering locks every page): call it in a worker thread, with the device current that
     the copies will use (see :func:`current`).
     """
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings by that name
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     # Private (Python's default for anonymous memory is shared), and not inherited by a forked child:
     # a child (a data loader's worker) would otherwise share pages the device writes into, or copy them.
     locked = _Locked(-1, nbytes, flags=mmap.MAP_PRIVATE)

@@ -238,6 +238,29 @@ def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_la
     assert [c[0] for c in fake.calls] == ["register"], "nothing to unregister"
 
 
+def test_pinned_buffer_falls_back_to_torchs_allocator_without_private_mappings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import mmap
+
+    from aiockpt import _cuda
+
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.delattr(mmap, "MAP_PRIVATE")  # as on Windows
+    asked: list[dict[str, object]] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        asked.append(kwargs)
+        return real_empty(*args, **{k: v for k, v in kwargs.items() if k != "pin_memory"})
+
+    monkeypatch.setattr(torch, "empty", empty)
+    assert _cuda.pinned_empty(100).numel() == 100
+    assert asked == [{"dtype": torch.uint8, "pin_memory": True}]
+    assert fake.calls == []
+
+
 @on_gpu
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")  # torch, on complex32
 @pytest.mark.parametrize("async_op", [False, True], ids=["durable", "async_op"])
