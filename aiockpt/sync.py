@@ -209,6 +209,10 @@ class Checkpointer:
             _as_this_thread(lambda: self._ckpt.save(state, step=step, metadata=metadata))
         )
 
+    def reserve(self, state: Mapping[str, object]) -> int:
+        """Allocate the staging memory of ``state``'s saves now; see :meth:`aiockpt.Checkpointer.reserve`."""
+        return self._portal.call(_as_this_thread(lambda: self._ckpt.reserve(state)))
+
     def load(
         self, state: MutableMapping[str, object], *, step: int | None = None, strict: bool = True
     ) -> int | None:

@@ -14,6 +14,7 @@ import torch
 from conftest import assert_tree_equal, snapshot
 
 import aiockpt
+import aiockpt.sync
 from aiockpt._memory import StagingPool
 from aiockpt._options import IOConfig
 from aiockpt._save import _stage
@@ -257,3 +258,63 @@ async def test_a_save_given_up_before_its_copy_frees_what_its_claim_evicted_in_a
         assert len(freed) == 1
         assert freed[0] != threading.get_ident(), "freed off the event loop's thread"
         assert ckpt._pool.in_use_bytes == 0
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_touching_a_buffer_writes_every_byte_of_it(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    monkeypatch.setattr(_stage, "_PIECE", 4096)
+    buffer = torch.randint(1, 256, (3 * 4096 + 5,), dtype=torch.uint8)
+    _stage._touch(buffer, threads)
+    assert not buffer.any()
+
+
+async def test_reserve_allocates_and_keeps_the_buffer_the_next_async_save_copies_into(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    touched: list[int] = []
+    real_touch = _stage._touch
+
+    def spy(buffer: torch.Tensor, threads: int) -> None:
+        touched.append(buffer.numel())
+        real_touch(buffer, threads)
+
+    monkeypatch.setattr(_stage, "_touch", spy)
+    state: dict[str, object] = {"w": torch.randn(1 << 18), "b": torch.randn(7), "step": 3}
+    expected = snapshot(state)
+    total = _stage.plan_stage(state, copy=True, allow_pickle=False).total
+    async with aiockpt.Checkpointer(root) as ckpt:
+        assert await ckpt.reserve(state) == total
+        (buffer,) = ckpt._pool._free
+        assert buffer.numel() == total
+        assert touched == [total], "a new buffer's pages are written once, ahead"
+        assert await ckpt.reserve(state) == total
+        assert ckpt._pool._free == [buffer], "a kept buffer that fits is not allocated again"
+        assert touched == [total]
+
+        handle = await ckpt.save(state, step=1, async_op=True)
+        with torch.no_grad():
+            state["w"].add_(1)  # type: ignore[attr-defined]
+        await handle
+        assert ckpt._pool._free == [buffer], "the save copied into the reserved buffer"
+        assert_tree_equal(await ckpt.read(1), expected)
+        assert await ckpt.reserve({"n": 1, "empty": torch.empty(0)}) == 0, "nothing to stage"
+    with pytest.raises(aiockpt.CheckpointError, match="closed"):
+        await ckpt.reserve(state)
+
+
+async def test_reserve_refuses_what_the_budget_cannot_hold_and_what_cannot_be_saved(root: Path) -> None:
+    async with aiockpt.Checkpointer(root, staging_budget=1 << 20) as ckpt:
+        with pytest.raises(aiockpt.BusyError, match="staging budget"):
+            await ckpt.reserve({"w": torch.randn(1 << 19)})  # 2 MiB
+        with pytest.raises(aiockpt.StateError, match="opaque"):
+            await ckpt.reserve({"opaque": object()})
+        assert ckpt._pool.held_bytes == 0
+        assert ckpt._pool.in_use_bytes == 0
+
+
+def test_the_blocking_facade_reserves_too(root: Path) -> None:
+    state = {"w": torch.randn(1000)}
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        assert ckpt.reserve(state) == 4000
+        ckpt.save(state, step=1, async_op=True).result()
+        assert ckpt.steps() == [1]

@@ -35,7 +35,7 @@ from ._finish import build_manifest, commit, encode_manifest
 from ._global_plan import GlobalPlan, RankPlan, global_plan
 from ._local_plan import LocalPlan, WriteItem, local_plan
 from ._protocol import Exchanges, Status, describe
-from ._stage import Staged, stage
+from ._stage import Staged, reserve, stage
 from ._write import WriteResult, write
 
 # Messages between ranks: items in msgpack bin slices (see sliced_encode's ``blobs``).
@@ -219,6 +219,21 @@ def _target(req: SaveRequest, limiter: anyio.CapacityLimiter | None) -> Target:
 
         return S3Target(req.path, limiter)
     return _LocalTarget(req.path, limiter)
+
+
+async def run_reserve(
+    state: Mapping[str, object], *, pool: StagingPool, allow_pickle: bool, io: IOConfig
+) -> int:
+    """Allocate and keep in ``pool`` the staging buffer a save of ``state`` with ``copy=True`` needs.
+
+    As a save would: at its lowered priority, on the caller's CUDA device (see ``_stage.reserve``).
+
+    Raises:
+        StateError: The state holds something that cannot be saved; the message names the key.
+        BusyError: The staging budget cannot hold the buffer.
+    """
+    with responsive(io, lowered=True), noting():
+        return await reserve(state, pool=pool, allow_pickle=allow_pickle)
 
 
 async def run_save(

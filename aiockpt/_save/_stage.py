@@ -11,7 +11,7 @@ and only the rest is copied.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -129,11 +129,28 @@ def _copy_large(jobs: list[tuple[int, int, int]], threads: int) -> None:
     speed.)
     """
     pieces = [(d + at, s + at, min(_PIECE, n - at)) for d, s, n in jobs for at in range(0, n, _PIECE)]
+    _over_threads([partial(ctypes.memmove, d, s, n) for d, s, n in pieces], threads)
+
+
+def _touch(buffer: torch.Tensor, threads: int) -> None:
+    """Write every page of a new ``buffer`` once (zeros), in pieces over ``threads`` threads. Blocking.
+
+    The first write to each page of new memory faults (on a VM twice, in the guest and in the host); done
+    here, ahead, a save's copy into the buffer later runs at the speed of reused memory.
+    """
+    base, n = buffer.data_ptr(), buffer.numel()
+    _over_threads(
+        [partial(ctypes.memset, base + at, 0, min(_PIECE, n - at)) for at in range(0, n, _PIECE)], threads
+    )
+
+
+def _over_threads(pieces: list[Callable[[], object]], threads: int) -> None:
+    """Run ``pieces`` in order, split into ``threads`` consecutive lanes run at once. Blocking."""
     threads = max(1, min(threads, len(pieces)))
 
-    def lane(part: list[tuple[int, int, int]]) -> None:
-        for d, s, n in part:
-            ctypes.memmove(d, s, n)
+    def lane(part: list[Callable[[], object]]) -> None:
+        for piece in part:
+            piece()
 
     k = len(pieces)
     each_in_thread([partial(lane, pieces[i * k // threads : (i + 1) * k // threads]) for i in range(threads)])
@@ -276,3 +293,45 @@ async def stage(
         if dropped:
             with anyio.CancelScope(shield=True):
                 await run_sync(dropped.clear)
+
+
+async def reserve(
+    state: Mapping[str, object],
+    *,
+    pool: StagingPool,
+    allow_pickle: bool,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> int:
+    """Allocate now, and keep in ``pool``, the staging buffer an ``async_op=True`` save of ``state`` needs.
+
+    A new host buffer's pages are written once here (see :func:`_touch`); a pinned one's were faulted in
+    by page-locking it. A kept buffer that fits is not allocated again. Returns the bytes the save will
+    stage (0: none).
+
+    Raises:
+        StateError: The state holds something that cannot be saved; the message names the key.
+        BusyError: The staging budget cannot hold the buffer (now, with ``wait_for_budget=False``, or ever).
+    """
+    layout = await run_sync(lambda: plan_stage(state, copy=True, allow_pickle=allow_pickle), limiter)
+    if not layout.offsets:
+        return 0
+    claim = await pool.claim(layout.total, pinned=bool(layout.devices))
+    fresh = claim.buffer is None
+
+    def allocate() -> None:
+        buffer = pool.take(claim)
+        try:
+            if fresh and not buffer.is_pinned():
+                _touch(buffer, _copy_threads())
+        finally:
+            pool.release(buffer)
+
+    try:
+        await acquire_sync(allocate, limiter)
+    finally:
+        dropped = pool.forget(claim)  # no-op once taken
+        if dropped:
+            with anyio.CancelScope(shield=True):
+                await run_sync(dropped.clear)
+        pool.notify()
+    return layout.total
