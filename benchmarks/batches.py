@@ -7,9 +7,10 @@ scatters small spans with ``torch._foreach_copy_`` in batches (``_device._SCATTE
 Forming a group or a batch is Python that holds the GIL, so the batch size bounds how long the event
 loop's thread may wait for it. Both functions are device-agnostic: here they run on CPU tensors
 (``--count`` tensors of 4 KiB; the scatter over reader buffers of 2,048 spans), in a worker thread
-beside the loop-lag monitor, the batch sizes alternating for ``--rounds`` rounds after one unmeasured.
-On a GPU the copies themselves are asynchronous launches, so only the Python part is represented: a
-proxy, not the GPU's figures (see ``python -m benchmarks.gpu --small``).
+beside the loop-lag monitor, under the settings of a save (the gathering) or a load (the scattering),
+the batch sizes alternating for ``--rounds`` rounds after one unmeasured. On a GPU the copies
+themselves are asynchronous launches, so only the Python part is represented: a proxy, not the GPU's
+figures (see ``python -m benchmarks.gpu --small``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from collections.abc import Callable
 import torch
 
 from aiockpt._load import _device
+from aiockpt._options import IOConfig
 from aiockpt._save import _stage
+from aiockpt._threads import responsive
 
 from ._lag import LagMonitor
 
@@ -63,30 +66,35 @@ def _scatter(count: int) -> Callable[[int], None]:
     return run
 
 
-async def _measure(fn: Callable[[int], None], size: int, monitor: LagMonitor) -> float:
-    """Seconds of ``fn(size)`` in a worker thread; the loop's lag meanwhile pools into ``monitor``."""
-    async with monitor:
-        start = time.perf_counter()
-        await asyncio.to_thread(fn, size)
-        return time.perf_counter() - start
+async def _measure(fn: Callable[[int], None], size: int, monitor: LagMonitor, *, save: bool) -> float:
+    """Seconds of ``fn(size)`` in a worker thread; the loop's lag meanwhile pools into ``monitor``.
+
+    Under the settings a save (``save``) or a load runs with: the short GIL switch interval, the older
+    GC generations held off, and for a save the lowered priority of its threads.
+    """
+    with responsive(IOConfig(), lowered=save):
+        async with monitor:
+            start = time.perf_counter()
+            await asyncio.to_thread(fn, size)
+            return time.perf_counter() - start
 
 
 async def _main(args: argparse.Namespace) -> None:
     cases = [
-        ("gather", "bytes per group", _gather(args.count), _GATHERS),
-        ("scatter", "spans per call", _scatter(args.count), _SCATTERS),
+        ("gather", "bytes per group", _gather(args.count), _GATHERS, True),
+        ("scatter", "spans per call", _scatter(args.count), _SCATTERS, False),
     ]
     print(f"{args.count} CPU tensors of {_BYTES} B, {args.rounds} rounds, batch sizes alternating")
     print("| case | batch | median s | loop lag p99 / max ms (all rounds' wakes) | wakes |")
     print("| :-- | --: | --: | --: | --: |")
-    for name, unit, fn, sizes in cases:
+    for name, unit, fn, sizes, save in cases:
         seconds: dict[int, list[float]] = {size: [] for size in sizes}
         monitors = {size: LagMonitor() for size in sizes}
         for size in sizes:  # a round unmeasured: the first touches the destinations' new pages
             await asyncio.to_thread(fn, size)
         for _ in range(args.rounds):
             for size in sizes:
-                seconds[size].append(await _measure(fn, size, monitors[size]))
+                seconds[size].append(await _measure(fn, size, monitors[size], save=save))
         for size in sizes:
             lag = monitors[size].stats()
             print(
