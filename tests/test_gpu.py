@@ -187,6 +187,19 @@ class _FakeCudart:
         return self.cudaError.success
 
 
+def _asks_torch_for_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """Make ``torch.empty`` record its keyword arguments and allocate unpinned memory (there is no CUDA)."""
+    asked: list[dict[str, object]] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        asked.append(kwargs)
+        return real_empty(*args, **{k: v for k, v in kwargs.items() if k != "pin_memory"})
+
+    monkeypatch.setattr(torch, "empty", empty)
+    return asked
+
+
 def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_last_view_dies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -222,14 +235,7 @@ def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_la
 
     # Where registering fails, torch's own pinned allocator is used (here: faked, as there is no CUDA).
     fake = _FakeCudart(fail=True)
-    asked: list[dict[str, object]] = []
-    real_empty = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        asked.append(kwargs)
-        return real_empty(*args, **{k: v for k, v in kwargs.items() if k != "pin_memory"})
-
-    monkeypatch.setattr(torch, "empty", empty)
+    asked = _asks_torch_for_pinned_memory(monkeypatch)
     buf = _cuda.pinned_empty(n)
     assert buf.numel() == n
     assert asked == [{"dtype": torch.uint8, "pin_memory": True}]
@@ -248,14 +254,7 @@ def test_pinned_buffer_falls_back_to_torchs_allocator_without_private_mappings(
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.delattr(mmap, "MAP_PRIVATE")  # as on Windows
-    asked: list[dict[str, object]] = []
-    real_empty = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        asked.append(kwargs)
-        return real_empty(*args, **{k: v for k, v in kwargs.items() if k != "pin_memory"})
-
-    monkeypatch.setattr(torch, "empty", empty)
+    asked = _asks_torch_for_pinned_memory(monkeypatch)
     assert _cuda.pinned_empty(100).numel() == 100
     assert asked == [{"dtype": torch.uint8, "pin_memory": True}]
     assert fake.calls == []
