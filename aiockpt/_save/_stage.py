@@ -21,7 +21,7 @@ import torch
 from .._cuda import cuda_devices, wait
 from .._gc import paused
 from .._memory import Claim, StagingPool, byte_view, nbytes_of, plain_cpu
-from .._threads import acquire_sync, each_in_thread, run_sync, yield_gil
+from .._threads import acquire_sync, each_in_thread, release, run_sync, yield_gil
 from .._tree import Flattened, flatten
 
 # Large staged tensors start at multiples of this, so every dtype view of the buffer is aligned.
@@ -288,12 +288,19 @@ async def stage(
         pool.notify()  # a failed copy gave its buffer back
         raise
     finally:
-        # No-op once taken (the buffer then travels with the Staged result); else what the claim held
-        # is given back, and what must be freed is freed off the event loop.
-        dropped = pool.forget(claim)
-        if dropped:
-            with anyio.CancelScope(shield=True):
-                await run_sync(dropped.clear)
+        await _forget(pool, claim)  # no-op once taken: the buffer then travels with the Staged result
+
+
+async def _forget(pool: StagingPool, claim: Claim) -> None:
+    """Undo ``claim`` if it was never taken; what it held that must be freed is freed in a worker thread.
+
+    Freeing a staging buffer can take long (a pinned one is unlocked and unmapped), and this runs on the
+    event loop: see ``StagingPool.forget``.
+    """
+    dropped = pool.forget(claim)
+    if dropped:
+        with anyio.CancelScope(shield=True):
+            await run_sync(dropped.clear)
 
 
 async def reserve(
@@ -314,9 +321,13 @@ async def reserve(
         BusyError: The staging budget cannot hold the buffer (now, with ``wait_for_budget=False``, or ever).
     """
     layout = await run_sync(lambda: plan_stage(state, copy=True, allow_pickle=allow_pickle), limiter)
-    if not layout.offsets:
+    total, pinned = layout.total if layout.offsets else 0, bool(layout.devices)
+    box: list[object] = [layout]  # per-tensor bookkeeping: freed in a worker thread, not on the loop
+    del layout
+    await release(box, limiter)
+    if not total:
         return 0
-    claim = await pool.claim(layout.total, pinned=bool(layout.devices))
+    claim = await pool.claim(total, pinned=pinned)
     fresh = claim.buffer is None
 
     def allocate() -> None:
@@ -330,9 +341,6 @@ async def reserve(
     try:
         await acquire_sync(allocate, limiter)
     finally:
-        dropped = pool.forget(claim)  # no-op once taken
-        if dropped:
-            with anyio.CancelScope(shield=True):
-                await run_sync(dropped.clear)
+        await _forget(pool, claim)
         pool.notify()
-    return layout.total
+    return total
