@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
 import mmap
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -201,13 +200,10 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     locked = _Locked(-1, nbytes, flags=mmap.MAP_PRIVATE)
     if hasattr(mmap, "MADV_DONTFORK"):
         locked.madvise(mmap.MADV_DONTFORK)
-    anchor = ctypes.c_char.from_buffer(locked)
-    address = ctypes.addressof(anchor)
-    del anchor  # the export would keep the mapping from being closed
-    device = torch.cuda.current_device()
+    buffer = torch.frombuffer(locked, dtype=torch.uint8)
+    address, device = buffer.data_ptr(), torch.cuda.current_device()
     register = torch.cuda.cudart().cudaHostRegister  # type: ignore[no-untyped-call]
     if not _in_own_thread(device, lambda: register(address, nbytes, _REGISTER_PORTABLE)):
-        del locked
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # ``locked`` goes with ``buffer``
     locked.address, locked.device = address, device
-    return torch.frombuffer(locked, dtype=torch.uint8)
+    return buffer

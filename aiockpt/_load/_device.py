@@ -49,6 +49,12 @@ _SCATTER_BELOW = 64 << 10
 _SCATTER_BATCH = 128
 
 
+def _copy_spans(buffer: torch.Tensor, spans: list[Span]) -> None:
+    """Copy each span of ``buffer`` (pinned) to its sink by a ``copy_`` of its own, on the current stream."""
+    for s, q, a, m in spans:
+        s[q : q + m].copy_(buffer[a : a + m], non_blocking=True)
+
+
 def _scatter(buffer: torch.Tensor, spans: list[Span]) -> None:
     """Copy many small spans of ``buffer`` (pinned) to their sinks: one copy to each device, then a scatter.
 
@@ -74,8 +80,7 @@ def _scatter(buffer: torch.Tensor, spans: list[Span]) -> None:
         try:
             part = buffer[lo:hi].to(device, non_blocking=True)
         except torch.cuda.OutOfMemoryError:
-            for s, q, a, m in group:
-                s[q : q + m].copy_(buffer[a : a + m], non_blocking=True)
+            _copy_spans(buffer, group)
             continue
         for i in range(0, len(group), _SCATTER_BATCH):
             batch = group[i : i + _SCATTER_BATCH]
@@ -155,10 +160,10 @@ class DeviceReader:
                     continue
             spans.append((sink, pos, at, n))
         buffer = self._buffers[k]
+        devices = cuda_devices(s for s, _, _, _ in spans)
         small = [span for span in spans if span[3] < _SCATTER_BELOW]
         if len(small) > 1:
             _scatter(buffer, small)
             spans = [span for span in spans if span[3] >= _SCATTER_BELOW]
-        for s, q, a, m in spans:
-            s[q : q + m].copy_(buffer[a : a + m], non_blocking=True)
-        return [record(d) for d in cuda_devices(s for s, _, _, _ in spans + small)]
+        _copy_spans(buffer, spans)
+        return [record(d) for d in devices]
