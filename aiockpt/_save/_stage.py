@@ -276,7 +276,7 @@ async def stage(
 
     Raises:
         StateError: The state holds something that cannot be saved; the message names the key.
-        BusyError: The staging budget cannot hold this save (now, with ``wait_for_budget=False``, or ever).
+        BusyError: The staging budget cannot hold this save (ever, or now in a pool that does not wait).
     """
     layout = await run_sync(lambda: plan_stage(state, copy=copy, allow_pickle=allow_pickle), limiter)
     if not layout.offsets:
@@ -318,7 +318,7 @@ async def reserve(
 
     Raises:
         StateError: The state holds something that cannot be saved; the message names the key.
-        BusyError: The staging budget cannot hold the buffer (now, with ``wait_for_budget=False``, or ever).
+        BusyError: The staging budget cannot hold the buffer (ever, or now in a pool that does not wait).
     """
     layout = await run_sync(lambda: plan_stage(state, copy=True, allow_pickle=allow_pickle), limiter)
     total, pinned = layout.total if layout.offsets else 0, bool(layout.devices)
