@@ -15,6 +15,7 @@ import torch
 
 from ._cuda import pinned_empty
 from ._errors import BusyError
+from ._runs import DIRECT_ALIGN
 
 _EMPTY = memoryview(bytearray(0))
 
@@ -53,6 +54,22 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if n == 0:
         return _EMPTY
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def address_of(view: memoryview) -> int:
+    """The address of the first byte of ``view`` (a writable, non-empty view)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+# Staging buffers start at a multiple of this (and lay out large tensors at multiples of it), so that their
+# bytes can be written with O_DIRECT.
+PAGE = DIRECT_ALIGN
+
+
+def page_aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The ``nbytes`` of the byte tensor ``raw`` (``nbytes + PAGE`` long) that start at a page boundary."""
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + nbytes]
 
 
 def cuda_available() -> bool:
@@ -161,8 +178,9 @@ class StagingPool:
             return buf
         pinned = claim.pinned and cuda_available()
         if pinned and self.own_pinned:
-            return pinned_empty(claim.nbytes)
-        return torch.empty(claim.nbytes, dtype=torch.uint8, pin_memory=pinned)
+            return pinned_empty(claim.nbytes)  # page-aligned: a mapping of its own
+        raw = torch.empty(claim.nbytes + PAGE, dtype=torch.uint8, pin_memory=pinned)
+        return page_aligned(raw, claim.nbytes)
 
     def forget(self, claim: Claim) -> list[torch.Tensor]:
         """Undo a claim that was never taken (its save ended first); return the buffers to free.

@@ -96,6 +96,18 @@ class IOConfig:
             ``SIGBUS``; aiockpt never truncates a committed file). Not used with ``direct_reads``, for object
             storage or foreign formats, by ``aiockpt.load``, which fills the target's own tensors, or by
             ``convert`` to torch.save or DCP, whose writers save or clone a tensor's whole storage.
+        direct_writes: Write a save's staged bytes with ``O_DIRECT``, from the staging buffer straight to
+            the device: the blocks of its tensors of 64 KiB or more, which a staging buffer lays out at
+            page boundaries, as the file does. The kernel then copies nothing into the page cache, so the
+            write costs almost no CPU time and neither fills nor evicts the page cache. On a 2-vCPU VM,
+            reused-buffer ``async_op=True`` saves of 2 GiB wrote in 0.70-0.77 s with 0.4-0.7 s of CPU
+            time, against 1.1-6.1 s buffered with as much CPU time as that, and with a max loop lag of
+            2.1-3.5 ms against 5.0-26.2 ms (six of each, alternating). Applies where a save stages
+            (``async_op=True``; with ``async_op=False``, GPU tensors and others that need a copy): a save
+            of CPU tensors written from their own memory goes through the page cache, as that memory is
+            not page-aligned. The price: a checkpoint just saved is not in the page cache, so loading it
+            right away reads the device. Where the file system or the memory refuses ``O_DIRECT``, the
+            save's file is written through the page cache instead.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
             copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed
@@ -117,6 +129,7 @@ class IOConfig:
     pause_gc: bool = True
     switch_interval: float | None = 0.0002
     direct_reads: bool = False
+    direct_writes: bool = True
     drop_behind: bool | None = None
     checkers: bool = True
     map_reads: bool = True

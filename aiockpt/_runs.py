@@ -7,6 +7,7 @@ moves. Per-item Python work is therefore one list append; per-run work is one sy
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import deque
 from collections.abc import Callable
@@ -21,6 +22,10 @@ RUN_BYTES = 8 << 20
 # Below IOV_MAX (1024 on Linux), leaving room for padding entries.
 MAX_IOV = 512
 MAX_GAP = 4096
+# O_DIRECT writes need file offsets, lengths and memory addresses aligned to the device's logical block
+# (512 bytes or 4 KiB) and DMA alignment; a file-system page satisfies every common device, and keeps a
+# directly written range and a buffered one out of each other's file-system blocks.
+DIRECT_ALIGN = 4096
 
 _ZEROS = memoryview(bytes(MAX_GAP))
 
@@ -46,6 +51,8 @@ class Run:
     pieces: list[Piece] = field(default_factory=list)
     end: int = 0
     first: int = 0
+    # Written with O_DIRECT (see ``group``'s ``direct``): its pieces are back to back and aligned.
+    direct: bool = False
 
 
 def split(offset: int, view: memoryview, item: int, block: int) -> list[Piece]:
@@ -56,20 +63,29 @@ def split(offset: int, view: memoryview, item: int, block: int) -> list[Piece]:
     return [Piece(offset + s, view[s : s + block], item, i) for i, s in enumerate(range(0, n, block))]
 
 
-def group(pieces: list[Piece]) -> list[Run]:
-    """Group pieces, sorted by offset, into runs of nearby pieces."""
+def group(pieces: list[Piece], direct: Callable[[Piece], bool] | None = None) -> list[Run]:
+    """Group pieces, sorted by offset, into runs of nearby pieces.
+
+    With ``direct``, the pieces it accepts go into runs of their own (``Run.direct``) that hold no gap
+    and in which every piece but the last ends at a multiple of :data:`DIRECT_ALIGN`: such a run's
+    bytes up to its last aligned offset can be written with ``O_DIRECT`` (see :func:`write_run_direct`).
+    ``direct`` accepts only pieces that start aligned in the file and in memory.
+    """
     runs: list[Run] = []
     run: Run | None = None
     for i, p in enumerate(pieces):
         n = len(p.view)
+        aligned = direct is not None and direct(p)
         if (
             run is None
             or p.offset < run.end
             or p.offset - run.end > MAX_GAP
             or run.end - run.offset + n > RUN_BYTES
             or len(run.pieces) >= MAX_IOV
+            or aligned != run.direct
+            or (aligned and (p.offset != run.end or run.end % DIRECT_ALIGN))
         ):
-            run = Run(offset=p.offset, end=p.offset, first=i)
+            run = Run(offset=p.offset, end=p.offset, first=i, direct=aligned)
             runs.append(run)
         run.pieces.append(p)
         run.end = p.offset + n
@@ -120,6 +136,35 @@ def write_run(fd: int, run: Run) -> None:
         done = os.pwritev(fd, iov, offset)
         offset += done
         _consume(iov, done)
+
+
+def write_run_direct(direct_fd: int, fd: int, run: Run) -> None:
+    """Write a direct run (see :func:`group`) at its offset; retries short writes.
+
+    Its aligned bytes go through ``direct_fd`` (opened with ``O_DIRECT``), the unaligned end of its last
+    piece, if any, through ``fd``. The two parts lie in different file-system blocks, so neither write
+    reads or rewrites the other's.
+
+    Raises:
+        OSError: As ``pwritev`` raises it; ``EINVAL`` where the file system refuses this alignment,
+            before or after some of the aligned bytes were written (write the run through ``fd`` then).
+    """
+    body = (run.end - run.offset) // DIRECT_ALIGN * DIRECT_ALIGN
+    iov = [p.view for p in run.pieces]
+    tail = iov[-1][len(iov[-1]) - (run.end - run.offset - body) :]
+    iov[-1] = iov[-1][: len(iov[-1]) - len(tail)]
+    if not len(iov[-1]):
+        iov.pop()
+    offset = run.offset
+    while iov:
+        done = os.pwritev(direct_fd, iov, offset)
+        if not done or done % DIRECT_ALIGN:  # a short write that a direct call cannot continue
+            raise OSError(errno.EINVAL, f"O_DIRECT write of {sum(map(len, iov))} bytes wrote {done}")
+        offset += done
+        _consume(iov, done)
+    pos = 0
+    while pos < len(tail):
+        pos += os.pwrite(fd, tail[pos:], offset + pos)
 
 
 def read_run(fd: int, run: Run, scratch: memoryview) -> int:

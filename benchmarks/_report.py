@@ -81,12 +81,14 @@ def checks(res: Results) -> list[Check]:
     """Evaluate the project's performance targets against a run."""
     out: list[Check] = []
     a_save, a_load = _time(res, "A", s.AIO_SAVE), _time(res, "A", s.AIO_LOAD)
-    write = _best_time(res, "A", [w.format(n) for w in (s.WRITE, s.WRITE_EARLY) for n in s.IO_THREADS])
+    ways = [w.format(n) for w in (s.WRITE, s.WRITE_EARLY, s.WRITE_DIRECT) for n in s.IO_THREADS]
+    write = _best_time(res, "A", ways)
     read = _best_of(res, "A", s.READ, s.IO_THREADS)
     dcp_save = _best_of(res, "A", s.DCP_SAVE, s.DCP_THREADS)
     dcp_load = _best_of(res, "A", s.DCP_LOAD, s.DCP_THREADS)
     r = _speedup(write, a_save)
-    out.append(_check("A: aiockpt.save throughput / fsync'd write (best of 4 ways)", r, "≥ 0.90x", r >= 0.9))
+    name = f"A: aiockpt.save throughput / fsync'd write (best of {len(ways)} ways)"
+    out.append(_check(name, r, "≥ 0.90x", r >= 0.9))
     for other in (s.TORCH_SAVE, s.ST_SAVE):
         r = _speedup(_time(res, "A", other), a_save)
         out.append(_check(f"A: aiockpt.save vs {other} (speedup)", r, "> 1x", r > 1.0))

@@ -38,6 +38,7 @@ MEMCPY_REPEAT = 3
 MEMCPY = "memcpy (Tensor.copy_)"
 WRITE = "fsync'd write, {} thread(s)"
 WRITE_EARLY = "fsync'd write, writeback started per 16 MiB, {} thread(s)"
+WRITE_DIRECT = "fsync'd write, O_DIRECT from page-aligned memory, {} thread(s)"
 READ = "cold read, {} thread(s)"
 AIO_SAVE = "aiockpt.save"
 AIO_SAVE_ASYNC = "aiockpt Checkpointer.save(async_op=True)"
@@ -171,6 +172,7 @@ class Suite:
         self.results = results
         self.loop = asyncio.new_event_loop()
         self.closers: list[Callable[[], Awaitable[None]]] = []
+        self.unmaps: list[Callable[[], None]] = []  # per state
         self.stalls = MachineStalls()
 
     def close(self) -> None:
@@ -293,6 +295,8 @@ class Suite:
         finally:
             for p in paths:
                 remove(p)
+            while self.unmaps:
+                self.unmaps.pop()()
 
     @staticmethod
     def _fresh(path: Path) -> Callable[[], None]:
@@ -339,6 +343,16 @@ class Suite:
 
                 m = self._new(label, "limit", WRITE_EARLY.format(n), state)
                 saves.append(Case(m, os.sync, sync=write_early))
+            if _limits.direct_supported(self.scratch):
+                aligned = _limits.Aligned(src)  # untimed; unmapped when this state's rounds end
+                self.unmaps.append(aligned.close)
+                for n in IO_THREADS:
+
+                    def write_direct(n: int = n) -> Outcome:
+                        return Outcome(_limits.direct_write(data, aligned, n))
+
+                    m = self._new(label, "limit", WRITE_DIRECT.format(n), state)
+                    saves.append(Case(m, os.sync, sync=write_direct))
             if "read" in sel:
                 for n in IO_THREADS:
 

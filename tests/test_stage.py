@@ -195,8 +195,8 @@ def test_small_gpu_tensors_are_laid_out_packed_each_devices_together_and_large_o
     assert names(layout.gathered) == ["c", "a", "e"]  # device 0 first, then device 1 in state order
     assert names(layout.large) == ["d"]
     at = {key[id(layout.flat.tensors[i])]: off for i, off in layout.offsets.items()}
-    assert at == {"b": 0, "c": 3, "a": 10, "e": 15, "d": 64}
-    assert layout.total == 64 + 70_000
+    assert at == {"b": 0, "c": 3, "a": 10, "e": 15, "d": 4096}  # large ones page-aligned (O_DIRECT)
+    assert layout.total == 4096 + 70_000
     assert layout.devices == {torch.device("cuda", 0), torch.device("cuda", 1)}
 
 

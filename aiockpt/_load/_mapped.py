@@ -32,7 +32,7 @@ import torch
 
 from .._format import TensorEntry
 from .._fs import libc_function
-from .._memory import contiguous_strides
+from .._memory import address_of, contiguous_strides
 
 # Tensors smaller than this are read into shared slabs (see ``_match._Slabs``): mapping each of them
 # would cost a page, or more, per tensor.
@@ -62,7 +62,7 @@ def populate(start: memoryview, nbytes: int) -> bool:
     global _populate_refused  # a process-wide fact about the kernel, found once
     if _MADVISE is None or _populate_refused or nbytes <= 0 or not len(start):
         return True
-    address = ctypes.addressof(ctypes.c_char.from_buffer(start))
+    address = address_of(start)
     page = mmap.PAGESIZE
     first = address - address % page
     if _MADVISE(first, address + nbytes - first, _MADV_POPULATE_READ) == 0:

@@ -33,7 +33,7 @@ from .._cuda import cuda_devices, current, in_use, noted, wait
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._gc import paused
-from .._memory import byte_view, plain_cpu
+from .._memory import address_of, byte_view, plain_cpu
 from .._pagecache import drop_behind, kept, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
@@ -266,7 +266,7 @@ def read_checked_direct(
         if checksums is not None and crc32c.crc32c(bounce[at : at + n]) != checksums[p.item][p.block]:
             bad.append(p)
         elif n:
-            ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(p.view)), address + at, n)
+            ctypes.memmove(address_of(p.view), address + at, n)
     return short, bad
 
 
@@ -463,7 +463,7 @@ async def read_into(
         span = max((stop - start for start, stop in spans), default=0)
         # Anonymous mappings are page-aligned; one per reader, reused for every run of its lane.
         bounce = memoryview(mmap.mmap(-1, span)) if span else scratch
-        address = ctypes.addressof(ctypes.c_char.from_buffer(bounce)) if span else 0
+        address = address_of(bounce) if span else 0
         longest = max((run.end - run.offset for _, run in lane if on_gpu(run)), default=0)
         device = DeviceReader(longest) if longest else None
         sums = checksums if verify else None

@@ -188,7 +188,13 @@ class _LocalTarget:
     ) -> WriteResult:
         directory = self.path.with_name(token)
         return await write(
-            plan, sources, directory, block=io.checksum_block, threads=io.thread_count, limiter=self.limiter
+            plan,
+            sources,
+            directory,
+            block=io.checksum_block,
+            threads=io.thread_count,
+            direct=io.direct_writes,
+            limiter=self.limiter,
         )
 
     async def commit(self, manifest: Sequence[bytes]) -> None:

@@ -20,12 +20,14 @@ import torch
 
 from .._cuda import cuda_devices, wait
 from .._gc import paused
-from .._memory import Claim, StagingPool, byte_view, nbytes_of, plain_cpu
+from .._memory import PAGE, Claim, StagingPool, byte_view, nbytes_of, plain_cpu
 from .._threads import acquire_sync, each_in_thread, release, run_sync, yield_gil
 from .._tree import Flattened, flatten
 
-# Large staged tensors start at multiples of this, so every dtype view of the buffer is aligned.
-_ALIGN = 64
+# Large staged tensors start at multiples of this (the staging buffer itself does, see ``page_aligned``):
+# every dtype view of the buffer is aligned, and their bytes can be written with O_DIRECT. At most 4 KiB
+# more per tensor of 64 KiB or more.
+_ALIGN = PAGE
 # Tensors below this size are packed back to back, each copied by one ``memmove`` (see _copy_small).
 _SMALL = 64 * 1024
 _EMPTY = memoryview(b"")

@@ -2,12 +2,17 @@
 
 Chunks are cut into checksum blocks and batched into runs (see ``_runs``); writer threads take runs from a
 shared queue, compute the CRC32C of each run's blocks and ``pwritev`` it at its offset, so one file may be
-written by several threads at once. Each writer has the kernel start writing its bytes to the device
-every few megabytes (see :data:`_WRITEBACK_EVERY`), and the file is fsynced once, at the end.
+written by several threads at once. Blocks whose memory and file offset are page-aligned (a
+Checkpointer's staging buffer lays large tensors out so) are written with ``O_DIRECT`` where the file
+system allows it (``IOConfig.direct_writes``): straight from that memory to the device, with no copy into
+the page cache. The rest is written through the page cache, and each writer has the kernel start writing
+those bytes to the device every few megabytes (see :data:`_WRITEBACK_EVERY`). The file is fsynced once,
+at the end.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import threading
@@ -22,7 +27,8 @@ import msgspec
 
 from .._errors import StorageError
 from .._fs import start_writeback
-from .._runs import Piece, Run, group, split, write_run
+from .._memory import address_of
+from .._runs import DIRECT_ALIGN, Piece, Run, group, split, write_run, write_run_direct
 from .._threads import Aborted, acquire_sync, release, run_each, run_sync, yield_gil
 from ._global_plan import RankPlan
 
@@ -120,8 +126,67 @@ class Checksums:
         return tuple(tuple(crcs[a:b]) for a, b in itertools.pairwise(starts))
 
 
-def write_runs(runs: deque[Run], fd: int, sums: Checksums, abort: threading.Event) -> None:
-    """Checksum and write runs until none is left, each at its offset in ``fd``.
+def _aligned(p: Piece) -> bool:
+    """Whether ``p`` can be written with ``O_DIRECT``: file offset and memory page-aligned, a page or more."""
+    if p.offset % DIRECT_ALIGN or len(p.view) < DIRECT_ALIGN or p.view.readonly:
+        return False
+    return not address_of(p.view) % DIRECT_ALIGN
+
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+# What a refused O_DIRECT open or write raises: EINVAL where the file system does not do it (some network
+# and FUSE file systems, older tmpfs) or wants other alignment; EFAULT where the kernel cannot pin the
+# source memory for the device (a driver's mapping rather than ordinary pages, as pinned host memory from
+# some CUDA allocators may be), which a write through the page cache copies from all the same.
+_REFUSED = (errno.EINVAL, errno.EFAULT)
+
+
+class Direct:
+    """The ``O_DIRECT`` descriptor of one data file, shared by its writers, or none.
+
+    Where ``O_DIRECT`` is refused (see :data:`_REFUSED`), on open or on a write, the writers write
+    every run, from then on, through the page cache instead.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self._fd = -1
+        self.usable = False
+        if path is not None and _O_DIRECT:
+            try:
+                self._fd = os.open(path, os.O_WRONLY | _O_DIRECT)
+            except OSError as exc:
+                if exc.errno not in _REFUSED:
+                    raise
+            self.usable = self._fd >= 0
+
+    def write(self, fd: int, run: Run) -> bool:
+        """Write ``run`` directly if it can be; returns whether it was (if not, write it through ``fd``).
+
+        Raises:
+            OSError: The write failed for another reason than ``O_DIRECT`` being refused.
+        """
+        if not run.direct or not self.usable:
+            return False
+        try:
+            write_run_direct(self._fd, fd, run)
+        except OSError as exc:
+            if exc.errno not in _REFUSED:
+                raise
+            self.usable = False  # refused: the run, and every later one, goes through the page cache
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close the descriptor, if one was opened (blocking)."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def write_runs(runs: deque[Run], fd: int, direct: Direct, sums: Checksums, abort: threading.Event) -> None:
+    """Checksum and write runs until none is left, each at its offset in ``fd`` (or through ``direct``).
 
     The writer computes the checksums itself rather than leaving them to a thread beside it. On a 2-vCPU
     VM that thread kept the second CPU busy while the first copied pages into the page cache, and the
@@ -138,6 +203,8 @@ def write_runs(runs: deque[Run], fd: int, sums: Checksums, abort: threading.Even
     def one(run: Run) -> None:
         nonlocal pending, start, end
         sums.add(run)
+        if direct.write(fd, run):
+            return  # on the device already (but for an unaligned end, which the final fsync writes)
         write_run(fd, run)
         start, end = (min(start, run.offset), max(end, run.end)) if pending else (run.offset, run.end)
         pending += run.end - run.offset
@@ -155,9 +222,12 @@ async def write(
     *,
     block: int,
     threads: int,
+    direct: bool = True,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> WriteResult:
     """Write ``plan``'s chunks, whose bytes are ``sources[item]``, into ``directory / plan.file``.
+
+    With ``direct``, the runs that allow it are written with ``O_DIRECT`` (see the module docstring).
 
     Returns:
         The checksums of every block written.
@@ -170,42 +240,51 @@ async def write(
         return WriteResult(rank=plan.rank, checksums=(), nbytes=0)
     path = directory / plan.file
     fd = -1
+    direct_fd = Direct(None)
 
     def cut() -> tuple[list[Run], Checksums]:
         # Per-chunk Python work, proportional to the number of tensors: kept off the event loop's thread.
         pieces = _pieces(plan, sources, block)
-        return group(pieces), Checksums(pieces, len(plan.writes))
+        return group(pieces, _aligned if direct else None), Checksums(pieces, len(plan.writes))
 
-    def open_file() -> int:
+    def open_file(runs: list[Run]) -> tuple[int, Direct]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             if plan.nbytes:
                 # Reserve the space up front: a full disk fails here, before any byte is written.
                 os.posix_fallocate(fd, 0, plan.nbytes)
+            return fd, Direct(path if any(r.direct for r in runs) else None)
         except BaseException:
             os.close(fd)
             raise
-        return fd
 
     runs, sums = await run_sync(cut, limiter)
     try:
-        fd = await acquire_sync(open_file, limiter)
+        fd, direct_fd = await acquire_sync(partial(open_file, runs), limiter)
         writers = min(threads, max(1, len(runs)))
         # The writers share one queue of every run.
         bulk = plan.nbytes >= _LOWER_FROM * sums.count
-        await run_each([partial(write_runs, deque(runs), fd, sums)] * writers, limiter, lower=bulk)
+        job = partial(write_runs, deque(runs), fd, direct_fd, sums)
+        await run_each([job] * writers, limiter, lower=bulk)
         result = await run_sync(partial(_sync_and_report, fd, plan, sums), limiter)
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc
     finally:
         if fd >= 0:
             with anyio.CancelScope(shield=True):
-                await run_sync(lambda: os.close(fd), limiter)
+                await run_sync(partial(_close, fd, direct_fd), limiter)
         # A piece and a memoryview per block: freed in a worker, a slice at a time, not on the loop's thread.
         box: list[object] = [runs, sums]
         del runs, sums
         await release(box, limiter)
     return result
+
+
+def _close(fd: int, direct: Direct) -> None:
+    try:
+        direct.close()
+    finally:
+        os.close(fd)
 
 
 def _sync_and_report(fd: int, plan: RankPlan, sums: Checksums) -> WriteResult:

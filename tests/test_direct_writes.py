@@ -1,0 +1,244 @@
+"""``IOConfig.direct_writes``: staged bytes go to the device with O_DIRECT, everything else as before."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_tree_equal
+
+import aiockpt
+from aiockpt import IOConfig, StorageError
+from aiockpt._memory import PAGE, StagingPool, address_of
+from aiockpt._pagecache import resident
+from aiockpt._runs import DIRECT_ALIGN, Piece, group, write_run_direct
+
+pytestmark = pytest.mark.timeout(60)
+
+DATA = "data-r00000.bin"
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+# Two writers, several runs per large tensor.
+IO = IOConfig(threads=2, checksum_block=1 << 18)
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Path:
+    """``tmp_path``, skipping the test where its file system refuses O_DIRECT writes."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    if not O_DIRECT:
+        pytest.skip("this platform has no O_DIRECT")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | O_DIRECT))
+    except OSError:
+        pytest.skip("the temporary directory's file system refuses O_DIRECT")
+    return tmp_path
+
+
+def state() -> dict[str, object]:
+    gen = torch.Generator().manual_seed(11)
+    return {
+        "big": torch.randn(1 << 20, generator=gen),  # 4 MiB: page multiple, 16 blocks
+        "odd": torch.randint(0, 255, (300_001,), dtype=torch.uint8, generator=gen),  # ends mid-page
+        "bf16": torch.randn(513, 129, generator=gen).to(torch.bfloat16),  # 132,354 bytes, ends mid-page
+        "small": {f"s{i}": torch.randn(i + 1, generator=gen) for i in range(30)},
+        "step": 4,
+    }
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of ``path``'s pages the page cache holds (skips where that cannot be told)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = resident(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if pages is None:
+        pytest.skip("which pages are cached cannot be told here")
+    return len(pages) - pages.count(0)
+
+
+async def _async_save(root: Path, saved: dict[str, object], io: IOConfig) -> Path:
+    async with aiockpt.Checkpointer(root, io=io) as ckpt:
+        handle = await ckpt.save(saved, step=1, async_op=True)
+        await handle
+    return root / "step-00000001"
+
+
+# -- runs ------------------------------------------------------------------------------------------------
+
+
+def _piece(offset: int, n: int, aligned: bool) -> Piece:
+    # ``item`` marks the pieces the predicate below accepts.
+    return Piece(offset, memoryview(bytearray(n)), int(aligned), 0)
+
+
+def test_group_keeps_direct_runs_gapless_and_aligned_but_for_their_last_piece() -> None:
+    p = DIRECT_ALIGN
+    pieces = [
+        _piece(0, 2 * p, True),
+        _piece(2 * p, p + 100, True),  # ends mid-page: the run ends with it
+        _piece(4 * p, p, True),  # the gap before it would be zero-filled: a new run
+        _piece(5 * p, p, True),
+        _piece(6 * p, 64, False),  # buffered
+        _piece(6 * p + 64, 64, False),
+        _piece(7 * p, p, True),
+    ]
+    runs = group(pieces, lambda piece: bool(piece.item))
+    assert [(r.first, len(r.pieces), r.direct) for r in runs] == [
+        (0, 2, True),
+        (2, 2, True),
+        (4, 2, False),
+        (6, 1, True),
+    ]
+    assert all(not r.direct for r in group(pieces))  # without a predicate, as for loads and S3
+
+
+def _aligned_source(n: int) -> tuple[mmap.mmap, memoryview]:
+    buf = mmap.mmap(-1, n)
+    view = memoryview(buf)
+    view[:] = bytes(range(256)) * (n // 256) + bytes(range(n % 256))
+    assert address_of(view) % DIRECT_ALIGN == 0
+    return buf, view
+
+
+def test_a_direct_run_writes_its_aligned_bytes_directly_and_the_rest_buffered(direct_dir: Path) -> None:
+    n = 3 * DIRECT_ALIGN + 100
+    _buf, view = _aligned_source(n)
+    path = direct_dir / "f"
+    path.write_bytes(b"\xff" * (n + 7))
+    fd, dfd = os.open(path, os.O_WRONLY), os.open(path, os.O_WRONLY | O_DIRECT)
+    try:
+        pieces = [
+            Piece(0, view[: 2 * DIRECT_ALIGN], 0, 0),
+            Piece(2 * DIRECT_ALIGN, view[2 * DIRECT_ALIGN :], 0, 1),
+        ]
+        (run,) = group(pieces, lambda piece: True)
+        write_run_direct(dfd, fd, run)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.close(dfd)
+    assert path.read_bytes() == bytes(view) + b"\xff" * 7
+
+
+# -- staging memory ----------------------------------------------------------------------------------------
+
+
+def test_staging_buffers_start_at_a_page() -> None:
+    pool = StagingPool(budget=None)
+    for n in (1, 4095, 70_001, 1 << 20):
+        claim = pool._try_claim(n, pinned=False)
+        assert claim is not None
+        buf = pool.take(claim)
+        assert buf.numel() == n
+        assert buf.data_ptr() % PAGE == 0
+        pool.release(buf)
+    pool.close()
+
+
+# -- saves -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False])
+async def test_an_async_save_writes_its_large_tensors_around_the_page_cache(
+    direct: bool, direct_dir: Path
+) -> None:
+    saved = state()
+    path = await _async_save(
+        direct_dir / "run", saved, IOConfig(threads=2, checksum_block=1 << 18, direct_writes=direct)
+    )
+    data = path / DATA
+    pages = -(-data.stat().st_size // PAGE)
+    cached = _cached_pages(data)
+    if direct:
+        # Only the small tensors (under 2 KiB in all) and the mid-page ends of "odd" and "bf16".
+        assert cached <= 4, f"{cached} of {pages} pages cached"
+    else:
+        assert cached >= pages - 2, f"{cached} of {pages} pages cached"
+    assert_tree_equal(await aiockpt.read(path), saved)
+    assert (await aiockpt.verify(path)).ok
+
+
+async def test_a_durable_save_of_cpu_tensors_is_written_as_before(direct_dir: Path) -> None:
+    """Tensor memory is not page-aligned (torch's allocator aligns to 64 bytes): buffered, correct."""
+    saved = state()
+    await aiockpt.save(saved, direct_dir / "ckpt", io=IO)
+    assert_tree_equal(await aiockpt.read(direct_dir / "ckpt"), saved)
+
+
+def _spy_pwritev(monkeypatch: pytest.MonkeyPatch, on_direct: Callable[[], None]) -> list[int]:
+    """Make ``on_direct`` run before every ``pwritev`` to a descriptor opened with O_DIRECT; counts them."""
+    real = os.pwritev
+    calls: list[int] = []
+
+    def pwritev(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
+            calls.append(offset)
+            on_direct()
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    return calls
+
+
+def _raise(code: int) -> Callable[[], None]:
+    def fail() -> None:
+        raise OSError(code, os.strerror(code))
+
+    return fail
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EFAULT], ids=["EINVAL", "EFAULT"])
+async def test_refused_direct_writes_are_written_buffered(
+    code: int, direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _spy_pwritev(monkeypatch, _raise(code))
+    saved = state()
+    path = await _async_save(direct_dir / "run", saved, IO)
+    assert len(calls) == 1  # refused once, then every run written through the page cache
+    assert_tree_equal(await aiockpt.read(path), saved)
+    assert (await aiockpt.verify(path)).ok
+
+
+async def test_a_file_system_that_refuses_o_direct_on_open_gets_every_run_buffered(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = os.open
+
+    def refuse(path: str, flags: int, *args: int) -> int:
+        if flags & O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT refused")
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse)
+    calls = _spy_pwritev(monkeypatch, lambda: None)
+    saved = state()
+    path = await _async_save(direct_dir / "run", saved, IO)
+    assert not calls
+    assert_tree_equal(await aiockpt.read(path), saved)
+
+
+async def test_a_failed_direct_write_fails_the_save_by_file_and_leaves_nothing(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = direct_dir / "run"
+    first = state()
+    async with aiockpt.Checkpointer(root, io=IO) as ckpt:
+        await ckpt.save(first, step=1)
+        _spy_pwritev(monkeypatch, _raise(errno.EIO))
+        handle = await ckpt.save(state(), step=2, async_op=True)
+        with pytest.raises(StorageError, match=DATA) as info:
+            await handle
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.EIO
+        monkeypatch.undo()
+        assert ckpt.steps() == [1]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["latest", "step-00000001"]
+    assert_tree_equal(await aiockpt.read(root / "step-00000001"), first)
