@@ -56,11 +56,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def address_of(view: memoryview) -> int:
-    """The address of the first byte of ``view`` (a writable, non-empty view)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
 # Staging buffers start at a multiple of this (and lay out large tensors at multiples of it), so that their
 # bytes can be written with O_DIRECT.
 PAGE = DIRECT_ALIGN

@@ -7,6 +7,7 @@ moves. Per-item Python work is therefore one list append; per-run work is one sy
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 from collections import deque
@@ -68,8 +69,8 @@ def group(pieces: list[Piece], direct: Callable[[Piece], bool] | None = None) ->
 
     With ``direct``, the pieces it accepts go into runs of their own (``Run.direct``) that hold no gap
     and in which every piece but the last ends at a multiple of :data:`DIRECT_ALIGN`: such a run's
-    bytes up to its last aligned offset can be written with ``O_DIRECT`` (see :func:`write_run_direct`).
-    ``direct`` accepts only pieces that start aligned in the file and in memory.
+    bytes up to its last aligned offset can be written with ``O_DIRECT`` (see :func:`direct_parts`).
+    ``direct`` accepts only pieces that start at an aligned file offset and hold a page or more.
     """
     runs: list[Run] = []
     run: Run | None = None
@@ -138,16 +139,16 @@ def write_run(fd: int, run: Run) -> None:
         _consume(iov, done)
 
 
-def write_run_direct(direct_fd: int, fd: int, run: Run) -> None:
-    """Write a direct run (see :func:`group`) at its offset; retries short writes.
+def address_of(view: memoryview) -> int:
+    """The address of the first byte of ``view`` (a writable, non-empty view)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
-    Its aligned bytes go through ``direct_fd`` (opened with ``O_DIRECT``), the unaligned end of its last
-    piece, if any, through ``fd``. The two parts lie in different file-system blocks, so neither write
-    reads or rewrites the other's.
 
-    Raises:
-        OSError: As ``pwritev`` raises it; ``EINVAL`` where the file system refuses this alignment,
-            before or after some of the aligned bytes were written (write the run through ``fd`` then).
+def direct_parts(run: Run) -> tuple[list[memoryview], memoryview]:
+    """A direct run's bytes (see :func:`group`): views of its page-aligned length, and the rest.
+
+    The rest is the unaligned end of its last piece (empty if none): it lies in a file-system block of
+    its own, so writing it through the page cache neither reads nor rewrites the aligned part's blocks.
     """
     body = (run.end - run.offset) // DIRECT_ALIGN * DIRECT_ALIGN
     iov = [p.view for p in run.pieces]
@@ -155,7 +156,19 @@ def write_run_direct(direct_fd: int, fd: int, run: Run) -> None:
     iov[-1] = iov[-1][: len(iov[-1]) - len(tail)]
     if not len(iov[-1]):
         iov.pop()
-    offset = run.offset
+    return iov, tail
+
+
+def write_direct(direct_fd: int, fd: int, offset: int, iov: list[memoryview], tail: memoryview) -> None:
+    """Write ``iov`` at ``offset`` through ``direct_fd`` (``O_DIRECT``), then ``tail`` through ``fd``.
+
+    ``iov``'s memory and lengths are page-aligned; short writes are retried.
+
+    Raises:
+        OSError: As ``pwritev`` raises it; ``EINVAL`` where the file system refuses this alignment,
+            before or after some of the aligned bytes were written.
+    """
+    iov = list(iov)
     while iov:
         done = os.pwritev(direct_fd, iov, offset)
         if not done or done % DIRECT_ALIGN:  # a short write that a direct call cannot continue

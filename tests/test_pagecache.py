@@ -269,9 +269,10 @@ async def test_without_drop_behind_a_load_leaves_its_data_cached(ckpt_path: Path
 
 async def test_a_load_keeps_what_was_cached_before_it(ckpt_path: Path) -> None:
     saved = state()
-    await aiockpt.save(saved, ckpt_path, io=IO)
+    await aiockpt.save(saved, ckpt_path, io=IOConfig(threads=2, checksum_block=1 << 20, direct_writes=False))
     data = ckpt_path / DATA
-    # Just saved: cached, and a load (an actor following its learner) leaves it so for the next reader.
+    # Just saved through the page cache: cached, and a load (an actor following its learner) leaves it so
+    # for the next reader.
     assert_tree_equal(await aiockpt.read(ckpt_path, io=UNMAPPED), saved)
     pages = _resident(data)
     assert _count(pages) == len(pages)

@@ -474,7 +474,8 @@ async def test_checksums_of_small_and_large_blocks_in_one_save(ckpt_path: Path) 
 async def test_writers_start_the_writeback_of_what_they_wrote(
     ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Every 16 MiB a writer has written, it asks the kernel to start writing them to the device.
+    # Every 16 MiB a writer has written through the page cache, it asks the kernel to start writing them
+    # to the device (direct writes are on the device when their call returns).
     calls: list[tuple[int, int, bool]] = []
 
     def spy(fd: int, offset: int, nbytes: int) -> bool:
@@ -484,7 +485,7 @@ async def test_writers_start_the_writeback_of_what_they_wrote(
 
     monkeypatch.setattr(_write, "start_writeback", spy)
     state = {"big": torch.arange(40 << 18, dtype=torch.float32)}  # 40 MiB: 10 blocks of 4 MiB
-    await aiockpt.save(state, ckpt_path, io=aiockpt.IOConfig(threads=1))
+    await aiockpt.save(state, ckpt_path, io=aiockpt.IOConfig(threads=1, direct_writes=False))
     (chunk,) = read_manifest(ckpt_path).tensors[0].chunks
     # Two requests, for the first 16 MiB and the next 16 MiB of the tensor's bytes; the rest is the fsync's.
     mib16 = 16 << 20

@@ -32,7 +32,8 @@ import torch
 
 from .._format import TensorEntry
 from .._fs import libc_function
-from .._memory import address_of, contiguous_strides
+from .._memory import contiguous_strides
+from .._runs import address_of
 
 # Tensors smaller than this are read into shared slabs (see ``_match._Slabs``): mapping each of them
 # would cost a page, or more, per tensor.

@@ -33,9 +33,9 @@ from .._cuda import cuda_devices, current, in_use, noted, wait
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._gc import paused
-from .._memory import address_of, byte_view, plain_cpu
+from .._memory import byte_view, plain_cpu
 from .._pagecache import drop_behind, kept, resident, sweep
-from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
+from .._runs import MAX_GAP, Piece, Run, address_of, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
 from ._checker import Checker, checker_cpus, pinned, wants_checker

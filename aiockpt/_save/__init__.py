@@ -194,6 +194,7 @@ class _LocalTarget:
             block=io.checksum_block,
             threads=io.thread_count,
             direct=io.direct_writes,
+            direct_threads=io.direct_thread_count,
             limiter=self.limiter,
         )
 
