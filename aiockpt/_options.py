@@ -96,8 +96,8 @@ class IOConfig:
             ``SIGBUS``; aiockpt never truncates a committed file). Not used with ``direct_reads``, for object
             storage or foreign formats, by ``aiockpt.load``, which fills the target's own tensors, or by
             ``convert`` to torch.save or DCP, whose writers save or clone a tensor's whole storage.
-        direct_writes: Write a save's blocks of a page or more at page-aligned file offsets (those of
-            every tensor of 64 KiB or more) with ``O_DIRECT``, straight to the device: from a staging
+        direct_writes: Write a save's checksum blocks of 64 KiB or more at page-aligned file offsets
+            (every tensor of 64 KiB or more starts at one) with ``O_DIRECT``, straight to the device: from a staging
             buffer (``async_op=True``, and tensors that need a copy), which lays large tensors out at
             page boundaries, as they are; from a tensor's own memory, which is not page-aligned, through
             a bounce buffer of 8 MiB per writer thread. The kernel then copies nothing into the page

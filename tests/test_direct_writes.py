@@ -47,7 +47,8 @@ def state() -> dict[str, object]:
     gen = torch.Generator().manual_seed(11)
     return {
         "big": torch.randn(1 << 20, generator=gen),  # 4 MiB: page multiple, 16 blocks
-        "odd": torch.randint(0, 255, (300_001,), dtype=torch.uint8, generator=gen),  # ends mid-page
+        # Its last block (70,001 bytes) ends mid-page.
+        "odd": torch.randint(0, 255, (2 * (1 << 18) + 70_001,), dtype=torch.uint8, generator=gen),
         "bf16": torch.randn(513, 129, generator=gen).to(torch.bfloat16),  # 132,354 bytes, ends mid-page
         "small": {f"s{i}": torch.randn(i + 1, generator=gen) for i in range(30)},
         "step": 4,
@@ -190,6 +191,16 @@ async def test_saves_write_their_large_tensors_around_the_page_cache(
         assert cached >= pages - 2, f"{cached} of {pages} pages cached"
     assert_tree_equal(await aiockpt.read(path), saved)
     assert (await aiockpt.verify(path)).ok
+
+
+async def test_small_blocks_go_through_the_page_cache_even_where_aligned(direct_dir: Path) -> None:
+    """4 KiB tensors lie at page-aligned offsets, but copying them one by one would hold the GIL."""
+    saved = {f"t{i}": torch.full((1024,), float(i)) for i in range(64)}
+    path = direct_dir / "ckpt"
+    await aiockpt.save(saved, path, io=IO)
+    data = path / DATA
+    assert _cached_pages(data) == -(-data.stat().st_size // PAGE)
+    assert_tree_equal(await aiockpt.read(path), saved)
 
 
 def _spy_pwritev(monkeypatch: pytest.MonkeyPatch, on_direct: Callable[[], None]) -> list[int]:

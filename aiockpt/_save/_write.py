@@ -158,13 +158,20 @@ class Checksums:
         return tuple(tuple(crcs[a:b]) for a, b in itertools.pairwise(starts))
 
 
+# Blocks under this size are written through the page cache even where they could go direct: a direct run
+# of small blocks copies and checksums them in a Python loop per block (into the bounce buffer), which holds
+# the GIL. 20,000 tensors of 4 KiB (page-aligned in the file), six durable saves each way, alternating: as
+# fast (0.249 / 0.293 s best / median against 0.220 / 0.292 s) with a loop-lag p99 of 2.16 against 1.55 ms.
+_DIRECT_FROM = 64 << 10
+
+
 def _aligned(p: Piece) -> bool:
-    """Whether ``p`` can be written with ``O_DIRECT``: a page or more at a page-aligned file offset.
+    """Whether ``p`` is written with ``O_DIRECT``: :data:`_DIRECT_FROM` or more at a page-aligned offset.
 
     Its memory need not be aligned (the writer copies it into a bounce buffer then), but must be
     writable, to be addressed by ctypes: every tensor's is.
     """
-    return not p.offset % DIRECT_ALIGN and len(p.view) >= DIRECT_ALIGN and not p.view.readonly
+    return not p.offset % DIRECT_ALIGN and len(p.view) >= _DIRECT_FROM and not p.view.readonly
 
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
