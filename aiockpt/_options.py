@@ -97,13 +97,14 @@ class IOConfig:
             storage or foreign formats, by ``aiockpt.load``, which fills the target's own tensors, or by
             ``convert`` to torch.save or DCP, whose writers save or clone a tensor's whole storage.
         direct_writes: Write a save's checksum blocks of 64 KiB or more at page-aligned file offsets
-            (every tensor of 64 KiB or more starts at one) with ``O_DIRECT``, straight to the device: from a staging
-            buffer (``async_op=True``, and tensors that need a copy), which lays large tensors out at
-            page boundaries, as they are; from a tensor's own memory, which is not page-aligned, through
-            a bounce buffer of 8 MiB per writer thread. The kernel then copies nothing into the page
-            cache, so the write costs little CPU time and neither fills nor evicts the page cache; a
-            file written so gets two writer threads where ``threads`` is ``None``
-            (:attr:`direct_thread_count`). On a 2-vCPU VM, 2 GiB, alternating: reused-buffer
+            (every tensor of 64 KiB or more starts at one) with ``O_DIRECT``, straight to the device:
+            from a staging buffer (``async_op=True``, and tensors that need a copy), which lays large
+            tensors out at page boundaries, as they are; from a tensor's own memory, which is not
+            page-aligned, through bounce buffers (8 MiB each, one per writer thread and one more). A
+            thread of its own checksums (and copies) the blocks ahead of the writers. The kernel then
+            copies nothing into the page cache, so the write costs little CPU time and neither fills
+            nor evicts the page cache; a file written so gets two writer threads where ``threads`` is
+            ``None`` (:attr:`direct_thread_count`). On a 2-vCPU VM, 2 GiB, alternating: reused-buffer
             ``async_op=True`` saves wrote in 0.70-0.77 s with 0.4-0.7 s of CPU time, against 1.1-6.1 s
             buffered with as much CPU time as that, and a max loop lag of 2.1-3.5 ms against 5.0-26.2
             ms; durable saves took 0.60-0.94 s against 0.49-5.4 s. The price: a checkpoint just saved is

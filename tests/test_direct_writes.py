@@ -6,6 +6,8 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from aiockpt import IOConfig, StorageError
 from aiockpt._memory import PAGE, StagingPool, byte_view
 from aiockpt._pagecache import resident
 from aiockpt._runs import DIRECT_ALIGN, Piece, address_of, direct_parts, group, write_direct
-from aiockpt._save._write import Checksums
+from aiockpt._save._write import Checksums, Direct
+from aiockpt._threads import Aborted
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,6 +151,38 @@ def test_a_bounced_run_is_copied_and_checksummed_in_one_pass() -> None:
     added.add(run)
     assert bytes(bounce) == bytes(whole)
     assert copied.by_write() == added.by_write() == (tuple(crc32c.crc32c(p.view) for p in pieces),)
+
+
+def test_the_preparer_gives_up_waiting_for_a_bounce_buffer_when_aborted(direct_dir: Path) -> None:
+    """No writer gives its bounce buffer back (they failed): the preparer must still end, and promptly."""
+    data = torch.randn(3 << 16)  # 768 KiB of tensor memory
+    view = byte_view(data)
+    whole = view[64:] if address_of(view) % DIRECT_ALIGN == 0 else view  # not page-aligned: bounced
+    block = 1 << 18
+    pieces = [Piece(s, whole[s : s + block], 0, i) for i, s in enumerate(range(0, 2 * block, block))]
+    runs = [group([p], lambda piece: True)[0] for p in pieces]  # two runs of one block each
+    path = direct_dir / "f"
+    path.write_bytes(bytes(2 * block))
+    direct = Direct(path, runs, slots=1)
+    assert direct.usable
+    abort = threading.Event()
+    raised: list[BaseException] = []
+
+    def prepare() -> None:
+        try:
+            direct.prepare(Checksums(pieces, 2), abort)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=prepare)
+    thread.start()
+    time.sleep(0.2)  # the first run is copied into the only buffer; the second waits for it
+    assert thread.is_alive()
+    abort.set()
+    thread.join(timeout=2)
+    assert not thread.is_alive()
+    assert [type(e) for e in raised] == [Aborted]
+    direct.close()
 
 
 # -- staging memory ----------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ MAX_INFLIGHT = 2
 # Elements of the float32 tensor of a step: 64 KiB .. 1 MiB, so buffers of different sizes are reused.
 SIZES = (16 * 1024, 64 * 1024, 128 * 1024, 256 * 1024)
 SMALL = 16
-# Bytes a save stages at most (the big tensor, the small one packed before it, alignment), rounded up.
-MAX_STAGED = 4 * max(SIZES) + 1024
+# Bytes a save stages at most (the big tensor, the small one packed before it, the big one page-aligned).
+MAX_STAGED = 4 * max(SIZES) + 4096
 # Room for one largest save and half of another: buffers of different sizes must be juggled.
 BUDGET = MAX_STAGED * 3 // 2
 ANYIO_WORKER = "AnyIO worker thread"
