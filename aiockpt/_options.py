@@ -162,9 +162,9 @@ class IOConfig:
     def direct_thread_count(self) -> int:
         """Writers of a data file written with ``O_DIRECT``: ``threads``, or where it is ``None`` at least 2.
 
-        Such a writer spends its time waiting for the device rather than copying pages, so the CPU
-        that :func:`auto_threads` leaves to the event loop stays free with two: while one waits, the
-        other checksums (and, from unaligned memory, copies) its next run.
+        Such a writer only waits for the device (a preparer thread checksums, and copies where needed,
+        ahead of it), so two keep two requests in flight and the CPU that :func:`auto_threads` leaves
+        to the event loop stays free.
         """
         return max(2, auto_threads()) if self.threads is None else self.threads
 
