@@ -104,11 +104,13 @@ class IOConfig:
             thread of its own checksums (and copies) the blocks ahead of the writers. The kernel then
             copies nothing into the page cache, so the write costs little CPU time and neither fills
             nor evicts the page cache; a file written so gets two writer threads where ``threads`` is
-            ``None`` (:attr:`direct_thread_count`). On a 2-vCPU VM, 2 GiB, alternating: reused-buffer
-            ``async_op=True`` saves wrote in 0.70-0.77 s with 0.4-0.7 s of CPU time, against 1.1-6.1 s
-            buffered with as much CPU time as that, and a max loop lag of 2.1-3.5 ms against 5.0-26.2
-            ms; durable saves took 0.60-0.94 s against 0.49-5.4 s. The price: a checkpoint just saved is
-            not in the page cache, so loading it right away reads the device. Where the file system or
+            ``None`` (:attr:`direct_thread_count`). On a 2-vCPU VM, 2 GiB: write phases of 0.50-0.53 s
+            from a staging buffer and 0.60-0.62 s from tensor memory, against 0.50-0.51 s for a plain
+            ``O_DIRECT`` write and 0.5-5.5 s for a buffered one, which took as much CPU time as that;
+            in the benchmark suite, durable saves' slowest rounds 0.71-1.0 s against 5.4-5.7 s, and the
+            loop-lag max of reused-buffer ``async_op=True`` saves 2.0-3.7 ms against 82.5-964.3 ms. The
+            price: a checkpoint just saved is not in the page cache, so loading it right away reads the
+            device. Where the file system or
             the memory refuses ``O_DIRECT``, on open or on a write, the rest of the file is written
             through the page cache. ``False`` writes everything through the page cache.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
