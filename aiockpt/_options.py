@@ -108,11 +108,12 @@ class IOConfig:
             from a staging buffer and 0.60-0.62 s from tensor memory, against 0.50-0.51 s for a plain
             ``O_DIRECT`` write and 0.5-5.5 s for a buffered one, which took as much CPU time as that;
             in the benchmark suite, durable saves' slowest rounds 0.71-1.0 s against 5.4-5.7 s, and the
-            loop-lag max of reused-buffer ``async_op=True`` saves 2.0-3.7 ms against 82.5-964.3 ms. The
-            price: a checkpoint just saved is not in the page cache, so loading it right away reads the
-            device. Where the file system or
-            the memory refuses ``O_DIRECT``, on open or on a write, the rest of the file is written
-            through the page cache. ``False`` writes everything through the page cache.
+            loop-lag max of reused-buffer ``async_op=True`` saves 2.0-3.9 ms in four runs of five (55.0
+            ms in one) against 82.5 and 964.3 ms in the two runs of the code before. The price: a
+            checkpoint just saved is not in the page cache, so loading it right away reads the device.
+            Where the file system or the memory refuses ``O_DIRECT``, on open or on a write, the rest
+            of the file is written through the page cache. ``False`` writes everything through the
+            page cache.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
             copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed
