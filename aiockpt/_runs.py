@@ -52,7 +52,8 @@ class Run:
     pieces: list[Piece] = field(default_factory=list)
     end: int = 0
     first: int = 0
-    # Written with O_DIRECT (see ``group``'s ``direct``): its pieces are back to back and aligned.
+    # Written with O_DIRECT (see ``group``'s ``direct``): its pieces are back to back, from a page-aligned
+    # file offset.
     direct: bool = False
 
 

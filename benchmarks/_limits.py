@@ -156,7 +156,7 @@ def direct_supported(directory: Path) -> bool:
 
 
 def direct_write(path: Path, source: Aligned, threads: int) -> float:
-    """Write ``source`` into a new file with ``O_DIRECT`` and ``threads`` writers, then fsync it and its directory.
+    """Write ``source`` into a new file with ``O_DIRECT`` and ``threads`` writers; fsync it and its directory.
 
     The last page is written whole (zero-padded) and the file cut to size after.
 

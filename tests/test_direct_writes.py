@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import anyio
 import crc32c
 import pytest
 import torch
@@ -260,13 +261,20 @@ def _raise(code: int) -> Callable[[], None]:
     return fail
 
 
+@pytest.mark.parametrize("async_op", [True, False], ids=["staged", "from-tensors"])
 @pytest.mark.parametrize("code", [errno.EINVAL, errno.EFAULT], ids=["EINVAL", "EFAULT"])
 async def test_refused_direct_writes_are_written_buffered(
-    code: int, direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+    code: int, async_op: bool, direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """From tensor memory, the preparer has filled every bounce buffer when the first write is refused."""
     calls = _spy_pwritev(monkeypatch, _raise(code))
-    saved = state()
-    path = await _async_save(direct_dir / "run", saved, IO)
+    saved = {**state(), "w": torch.randn(10 << 20)}  # 40 MiB: five runs, more than the bounce buffers
+    if async_op:
+        path = await _async_save(direct_dir / "run", saved, IO)
+    else:
+        path = direct_dir / "ckpt"
+        with anyio.fail_after(20):
+            await aiockpt.save(saved, path, io=IO)
     assert 1 <= len(calls) <= 2  # refused once per writer at most, then every run written buffered
     assert_tree_equal(await aiockpt.read(path), saved)
     assert (await aiockpt.verify(path)).ok

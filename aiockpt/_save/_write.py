@@ -1,13 +1,13 @@
 """Stage 4, every rank: write this rank's chunks into its data file, checksum them, fsync.
 
 Chunks are cut into checksum blocks and batched into runs (see ``_runs``); writer threads take runs from a
-shared queue, compute the CRC32C of each run's blocks and ``pwritev`` it at its offset, so one file may be
-written by several threads at once. Blocks whose memory and file offset are page-aligned (a
-Checkpointer's staging buffer lays large tensors out so) are written with ``O_DIRECT`` where the file
-system allows it (``IOConfig.direct_writes``): straight from that memory to the device, with no copy into
-the page cache. The rest is written through the page cache, and each writer has the kernel start writing
-those bytes to the device every few megabytes (see :data:`_WRITEBACK_EVERY`). The file is fsynced once,
-at the end.
+shared queue and ``pwritev`` each at its offset, so one file may be written by several threads at once.
+Blocks of 64 KiB or more at page-aligned file offsets are written with ``O_DIRECT`` where the file system
+allows it (``IOConfig.direct_writes``), with no copy into the page cache: from their own memory where it
+is page-aligned (a staging buffer's), else through bounce buffers; a preparer thread checksums them (and
+fills the bounce buffers) ahead of the writers (see :class:`Direct`). The rest is checksummed by its
+writer and written through the page cache, and each writer has the kernel start writing those bytes to
+the device every few megabytes (see :data:`_WRITEBACK_EVERY`). The file is fsynced once, at the end.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ _DIRECT_FROM = 64 << 10
 def _aligned(p: Piece) -> bool:
     """Whether ``p`` is written with ``O_DIRECT``: :data:`_DIRECT_FROM` or more at a page-aligned offset.
 
-    Its memory need not be aligned (the writer copies it into a bounce buffer then), but must be
+    Its memory need not be aligned (the preparer copies it into a bounce buffer then), but must be
     writable, to be addressed by ctypes: every tensor's is.
     """
     return not p.offset % DIRECT_ALIGN and len(p.view) >= _DIRECT_FROM and not p.view.readonly
@@ -240,6 +240,8 @@ class Direct:
                 prepared: _Prepared = (iov, tail, None)
                 if any(address_of(v) % DIRECT_ALIGN for v in iov):
                     slot = self._take_slot(abort)
+                    if slot is None:
+                        return
                     sums.copy(run, slot)
                     n = run.end - run.offset
                     prepared = ([slot[: n - len(tail)]], slot[n - len(tail) : n], slot)
@@ -253,11 +255,18 @@ class Direct:
                 self._done = True
                 self._cond.notify_all()
 
-    def _take_slot(self, abort: threading.Event) -> memoryview:
+    def _take_slot(self, abort: threading.Event) -> memoryview | None:
+        """A free bounce buffer, once one is; ``None`` once ``O_DIRECT`` was refused.
+
+        The refused writer gives its buffer back, but others may hold prepared runs that they will now
+        write through the page cache without giving theirs back: the wait must not outlast ``usable``.
+        """
         with self._cond:
             while not self._free and len(self._maps) >= self._slots:
                 if abort.is_set():
                     raise Aborted
+                if not self.usable:
+                    return None
                 self._cond.wait(_POLL)
             if self._free:
                 return self._free.pop()
