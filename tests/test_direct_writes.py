@@ -239,6 +239,21 @@ async def test_small_blocks_go_through_the_page_cache_even_where_aligned(direct_
     assert_tree_equal(await aiockpt.read(path), saved)
 
 
+async def test_a_save_goes_on_when_threads_are_scarce(direct_dir: Path) -> None:
+    """Two tokens left in anyio's thread limiter for three jobs: the writers must not hold both while
+    the preparer they wait for waits for one."""
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    tokens = limiter.total_tokens
+    limiter.total_tokens = 2
+    saved = {**state(), "w": torch.randn(10 << 20)}
+    try:
+        with anyio.fail_after(20):
+            await aiockpt.save(saved, direct_dir / "ckpt", io=IO)
+    finally:
+        limiter.total_tokens = tokens
+    assert_tree_equal(await aiockpt.read(direct_dir / "ckpt"), saved)
+
+
 def _spy_pwritev(monkeypatch: pytest.MonkeyPatch, on_direct: Callable[[], None]) -> list[int]:
     """Make ``on_direct`` run before every ``pwritev`` to a descriptor opened with O_DIRECT; counts them."""
     real = os.pwritev

@@ -406,11 +406,12 @@ async def write(
         fd, direct_fd = await acquire_sync(partial(open_file, runs, writers), limiter)
         if not direct_fd.usable:
             writers = min(threads, max(1, len(runs)))
-        # The writers share one queue of every run; the preparer goes through the direct ones.
+        # The writers share one queue of every run; the preparer goes through the direct ones. It is
+        # started first: writers wait for it, so where the limiter has fewer tokens left than jobs, it
+        # must not be the job left waiting for one (a limiter hands its tokens out in request order).
         bulk = plan.nbytes >= _LOWER_FROM * sums.count
-        jobs = [partial(write_runs, deque(runs), fd, direct_fd, sums)] * writers
-        if direct_fd.usable:
-            jobs.append(partial(direct_fd.prepare, sums))
+        jobs = [partial(direct_fd.prepare, sums)] if direct_fd.usable else []
+        jobs += [partial(write_runs, deque(runs), fd, direct_fd, sums)] * writers
         await run_each(jobs, limiter, lower=bulk)
         result = await run_sync(partial(_sync_and_report, fd, plan, sums), limiter)
     except OSError as exc:
