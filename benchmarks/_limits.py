@@ -24,6 +24,8 @@ import torch
 from benchmarks._fs import drop_cache, fsync_path, start_writeback
 
 CHUNK = 16 * 1024 * 1024
+PAGE = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 Chunk = tuple[int, memoryview]
 
@@ -135,10 +137,6 @@ class Aligned:
         """Unmap the copy."""
         self.view.release()
         self._map.close()
-
-
-PAGE = 4096
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def direct_supported(directory: Path) -> bool:
