@@ -113,7 +113,7 @@ class IOConfig:
             checkpoint just saved is not in the page cache, so loading it right away reads the device.
             Where the file system or the memory refuses ``O_DIRECT``, on open or on a write, the rest
             of the file is written through the page cache. ``False`` writes everything through the
-            page cache.
+            page cache. Local files only: saves to object storage upload as before.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
             copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed

@@ -76,7 +76,8 @@ async def test_a_failing_writer_fails_the_save_by_file_and_leaves_nothing(
 
     monkeypatch.setattr("aiockpt._save._write.write_run", failing)
     state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(8)}
-    io = IOConfig(threads=1, checksum_block=1 << 20, direct_writes=False)  # test_direct_writes: with
+    # The buffered writer's failure (a direct write's: test_direct_writes).
+    io = IOConfig(threads=1, checksum_block=1 << 20, direct_writes=False)
     with pytest.raises(StorageError, match=r"data-r00000\.bin.*Input/output error"):
         await aiockpt.save(state, tmp_path / "ckpt", io=io)
     assert calls == 3, "the writer stopped at the failing run"
