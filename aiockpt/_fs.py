@@ -109,6 +109,28 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     return _sync_file_range is not None and _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
 
 
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+def open_direct(path: Path, flags: int) -> int | None:
+    """``path`` opened with ``flags | O_DIRECT``, or ``None`` where direct I/O is refused.
+
+    Refused: a platform without ``O_DIRECT``, or a file system without direct I/O (``EINVAL``: tmpfs
+    before Linux 6.6, some FUSE and network file systems).
+
+    Raises:
+        OSError: The open failed otherwise.
+    """
+    if not _O_DIRECT:
+        return None
+    try:
+        return os.open(path, flags | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return None
+
+
 def write_durable(path: Path, data: bytes | Sequence[bytes]) -> None:
     """Write ``data`` (or its pieces, back to back) to a new file ``path`` and fsync it.
 

@@ -32,6 +32,7 @@ import torch
 from .._cuda import cuda_devices, current, in_use, noted, wait
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
+from .._fs import open_direct
 from .._gc import paused
 from .._memory import byte_view, plain_cpu
 from .._pagecache import drop_behind, kept, resident, sweep
@@ -48,7 +49,6 @@ _ByFile = dict[str, list[Piece]]
 # O_DIRECT needs file offsets, lengths and buffer addresses aligned to the device's logical block size
 # (512 or 4096 bytes); page alignment satisfies every device.
 _DIO_ALIGN = mmap.PAGESIZE
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 
 
 @dataclass(slots=True)
@@ -271,14 +271,14 @@ def read_checked_direct(
 
 
 def _open_direct(path: Path) -> int | None:
-    """``path`` opened with ``O_DIRECT``, or ``None`` where the platform or file system refuses it."""
-    if not _O_DIRECT:
-        return None
+    """``path`` opened with ``O_DIRECT``, or ``None`` where that is refused or fails.
+
+    A missing or unreadable file fails the buffered open that comes first, with its own error: any
+    failure here only means the runs are read buffered.
+    """
     try:
-        return os.open(path, os.O_RDONLY | _O_DIRECT)
+        return open_direct(path, os.O_RDONLY)
     except OSError:
-        # EINVAL from file systems without direct I/O (tmpfs before 6.6, some FUSE mounts); a missing or
-        # unreadable file fails the buffered open that comes first, with its own error.
         return None
 
 

@@ -29,7 +29,7 @@ import crc32c
 import msgspec
 
 from .._errors import StorageError
-from .._fs import start_writeback
+from .._fs import open_direct, start_writeback
 from .._runs import (
     DIRECT_ALIGN,
     Piece,
@@ -173,13 +173,10 @@ def _aligned(p: Piece) -> bool:
     return not p.offset % DIRECT_ALIGN and len(p.view) >= _DIRECT_FROM and not p.view.readonly
 
 
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-
-
-# What a refused O_DIRECT open or write raises: EINVAL where the file system does not do it (some network
-# and FUSE file systems, older tmpfs) or wants other alignment; EFAULT where the kernel cannot pin the
-# source memory for the device (a driver's mapping rather than ordinary pages, as pinned host memory from
-# some CUDA allocators may be), which a write through the page cache copies from all the same.
+# What a refused O_DIRECT write raises (a refused open: see ``_fs.open_direct``): EINVAL where the file
+# system wants other alignment; EFAULT where the kernel cannot pin the source memory for the device (a
+# driver's mapping rather than ordinary pages, as pinned host memory from some CUDA allocators may be),
+# which a write through the page cache copies from all the same.
 _REFUSED = (errno.EINVAL, errno.EFAULT)
 
 
@@ -216,13 +213,10 @@ class Direct:
         self._ready: dict[int, _Prepared] = {}  # by run.first
         self._done = False  # the preparer stopped: a run not in _ready is not coming
         self._cond = threading.Condition()
-        if path is not None and self._runs and _O_DIRECT:
-            try:
-                self._fd = os.open(path, os.O_WRONLY | _O_DIRECT)
-            except OSError as exc:
-                if exc.errno not in _REFUSED:
-                    raise
-            self.usable = self._fd >= 0
+        if path is not None and self._runs:
+            fd = open_direct(path, os.O_WRONLY)
+            self._fd = -1 if fd is None else fd
+            self.usable = fd is not None
 
     def prepare(self, sums: Checksums, abort: threading.Event) -> None:
         """The preparer's work: checksum, and copy where needed, every direct run in order.
