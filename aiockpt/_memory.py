@@ -42,6 +42,21 @@ def plain_cpu(t: torch.Tensor) -> bool:
     return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
+# ctypes array types by length, for the views below: ``c_char * n`` looks its type up in a cache of its
+# own, keyed by a tuple built per call.
+_ARRAYS: dict[int, type[ctypes.Array[ctypes.c_char]]] = {}
+
+
+def _view(t: torch.Tensor) -> memoryview:
+    n = t.nbytes
+    if n == 0:
+        return _EMPTY
+    array = _ARRAYS.get(n)
+    if array is None:
+        array = _ARRAYS[n] = ctypes.c_char * n
+    return memoryview(array.from_address(t.data_ptr())).cast("B")
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable ``memoryview`` (format ``B``) of a contiguous CPU tensor's elements, without a copy.
 
@@ -50,10 +65,12 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """
     if not t.is_cpu or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    n = t.nbytes
-    if n == 0:
-        return _EMPTY
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    return _view(t)
+
+
+def plain_view(t: torch.Tensor) -> memoryview | None:
+    """``byte_view(t)`` where :func:`plain_cpu` holds, else ``None`` (one check, made per tensor of 10^4)."""
+    return _view(t) if plain_cpu(t) else None
 
 
 # Staging buffers start at a multiple of this (and lay out large tensors at multiples of it), so that their

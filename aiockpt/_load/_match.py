@@ -210,7 +210,11 @@ class _Matcher:
         for k, child in zip(node.keys, node.values, strict=True):
             sub = (*path, k)
             if k in have:
-                out[k] = self.build(child, have[k], sub, create=create)
+                t = have[k]
+                if type(child) is TensorNode and type(t) is torch.Tensor:
+                    out[k] = self.in_place(child, t, sub)  # the bulk of a load in place, as build would
+                else:
+                    out[k] = self.build(child, t, sub, create=create)
             elif create:
                 created += 1
                 out[k] = self.build(child, MISSING, sub, create=create)
@@ -253,35 +257,39 @@ class _Matcher:
         return items if kind is list else tuple(items)
 
     def tensor(self, node: TensorNode, tmpl: object, path: KeyPath) -> object:
-        entry = self.m.tensors[node.index]
-        dest = self.plan.destinations.get(node.index)
         dtensor = self.dtensor
         if dtensor is not None and isinstance(tmpl, dtensor):
+            entry = self.m.tensors[node.index]
             local, box = shard_of(tmpl, path)
             if dtype_name(local.dtype) != entry.dtype or box.shape != entry.shape:
                 self.diff(f"{render(path)}: the target is a DTensor {dtype_name(local.dtype)}"
                           f"{list(box.shape)}, the checkpoint {_entry_desc(entry)}")  # fmt: skip
-            elif dest is None:
+            elif node.index not in self.plan.destinations:
                 self.plan.destinations[node.index] = Destination(
                     node.index, local, False, offsets=box.offsets
                 )
             return tmpl
         if isinstance(tmpl, torch.Tensor):
-            dtype = str(tmpl.dtype).removeprefix("torch.")
-            if dtype != entry.dtype or tuple(tmpl.shape) != entry.shape:
-                self.diff(
-                    f"{render(path)}: the target is {_describe(tmpl)}, the checkpoint {_entry_desc(entry)}"
-                )
-                return tmpl
-            if dest is None:
-                self.plan.destinations[node.index] = Destination(node.index, tmpl, fresh=False)
-            elif dest.tensor is not tmpl and all(t is not tmpl for t in dest.also):
-                dest.also.append(tmpl)  # tied in the checkpoint, separate in the target
-            return tmpl
+            return self.in_place(node, tmpl, path)
         if tmpl is not MISSING:
             self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a tensor")
             return tmpl
         return self.fresh(node, path)
+
+    def in_place(self, node: TensorNode, tmpl: torch.Tensor, path: KeyPath) -> torch.Tensor:
+        """``tmpl`` (not a DTensor) as the destination of ``node``, if it has the entry's dtype and shape."""
+        index = node.index
+        entry = self.m.tensors[index]
+        if dtype_name(tmpl.dtype) != entry.dtype or tmpl.shape != entry.shape:  # (a Size is a tuple)
+            self.diff(f"{render(path)}: the target is {_describe(tmpl)}, the checkpoint {_entry_desc(entry)}")
+            return tmpl
+        destinations = self.plan.destinations
+        dest = destinations.get(index)
+        if dest is None:
+            destinations[index] = Destination(index, tmpl, False)
+        elif dest.tensor is not tmpl and all(t is not tmpl for t in dest.also):
+            dest.also.append(tmpl)  # tied in the checkpoint, separate in the target
+        return tmpl
 
     def fresh(self, node: TensorNode, path: KeyPath) -> object:
         """The tensor built for ``node`` where the target has none (shared by every node tied to it)."""

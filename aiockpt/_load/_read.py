@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from operator import attrgetter
 from pathlib import Path
 
 import anyio
@@ -34,7 +35,7 @@ from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._fs import open_direct
 from .._gc import paused
-from .._memory import byte_view, plain_cpu
+from .._memory import byte_view, plain_cpu, plain_view
 from .._pagecache import drop_behind, kept, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, address_of, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
@@ -45,6 +46,7 @@ from ._mapped import populate
 from ._match import Destination
 
 _ByFile = dict[str, list[Piece]]
+_OFFSET = attrgetter("offset")
 
 # O_DIRECT needs file offsets, lengths and buffer addresses aligned to the device's logical block size
 # (512 or 4096 bytes); page alignment satisfies every device.
@@ -90,9 +92,7 @@ def _whole_view(entry: TensorEntry, dest: Destination) -> memoryview | None:
     chunk = entry.chunks[0]
     if chunk.sizes != entry.shape or any(chunk.offsets):
         return None
-    if dest.view is not None:
-        return dest.view
-    return byte_view(dest.tensor) if plain_cpu(dest.tensor) else None
+    return dest.view if dest.view is not None else plain_view(dest.tensor)
 
 
 # Sizes a read into a GPU tensor: an untouched host view of ``n`` bytes (see _Read).
@@ -183,11 +183,12 @@ def prepare(
             def hold(n: int) -> memoryview:
                 return sizes[:n]
 
+    tensors = manifest.tensors
     for index, dest in destinations.items():
-        entry = manifest.tensors[index]
+        entry = tensors[index]
         view = _whole_view(entry, dest)
         if view is not None:
-            reads.append(_Read(index, entry.chunks[0], view, mapped=dest.mapped))
+            reads.append(_Read(index, entry.chunks[0], view, None, dest.mapped))
         else:
             _plan_chunks(index, entry, dest, reads, copies, keep, hold)
         if dest.also:  # tied in the checkpoint, separate in the target: copied once read
@@ -367,11 +368,18 @@ async def read_into(
             mapped: dict[str, list[Piece]] = {}  # mapped tensors' bytes: in runs of their own
             for i, r in enumerate(reads):
                 into = mapped if r.mapped else by_file if r.sink is None else to_gpu
-                into.setdefault(r.chunk.file, []).extend(split(r.chunk.offset, r.view, i, block))
+                chunk = r.chunk
+                pieces = into.get(chunk.file)
+                if pieces is None:
+                    pieces = into[chunk.file] = []
+                if len(r.view) <= block:  # one block, as is each of 10^4 small tensors: no call
+                    pieces.append(Piece(chunk.offset, r.view, i, 0))
+                else:
+                    pieces += split(chunk.offset, r.view, i, block)
             jobs: list[tuple[str, Run]] = []
             for pieces_of in (by_file, to_gpu, mapped):
                 for name, pieces in pieces_of.items():
-                    pieces.sort(key=lambda p: p.offset)
+                    pieces.sort(key=_OFFSET)
                     jobs.extend((name, run) for run in group(pieces))
             for name, pieces in mapped.items():
                 held[name] = [(p.offset, p.offset + len(p.view)) for p in pieces]

@@ -20,7 +20,7 @@ import torch
 
 from .._cuda import cuda_devices, wait
 from .._gc import paused
-from .._memory import PAGE, Claim, StagingPool, byte_view, nbytes_of, plain_cpu
+from .._memory import PAGE, Claim, StagingPool, byte_view, nbytes_of, plain_cpu, plain_view
 from .._threads import acquire_sync, each_in_thread, release, run_sync, yield_gil
 from .._tree import Flattened, flatten
 
@@ -204,8 +204,9 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
         nbytes += n
         if n == 0:
             continue
-        if not copy and plain_cpu(t):  # others (GPU, lazy conj/neg views) go through a copy
-            sources[i] = byte_view(t)
+        view = None if copy else plain_view(t)  # others (GPU, lazy conj/neg views) go through a copy
+        if view is not None:
+            sources[i] = view
         elif n < _SMALL and t.is_cpu:
             small.append(i)
         elif n < _SMALL and t.is_cuda:
