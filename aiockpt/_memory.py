@@ -7,6 +7,7 @@ no optional dependency. A view does not keep its tensor alive: whoever holds a v
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ import torch
 
 from ._cuda import pinned_empty
 from ._errors import BusyError
-from ._runs import DIRECT_ALIGN
+from ._runs import DIRECT_ALIGN, address_of
 
 _EMPTY = memoryview(bytearray(0))
 
@@ -82,6 +83,33 @@ def page_aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The ``nbytes`` of the byte tensor ``raw`` (``nbytes + PAGE`` long) that start at a page boundary."""
     skip = -raw.data_ptr() % PAGE
     return raw[skip : skip + nbytes]
+
+
+# A transparent huge page on x86-64 (and arm64 with 4 KiB pages): the unit :func:`direct_buffer` aligns to.
+HUGE_PAGE = 2 << 20
+
+
+def direct_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    """``nbytes`` (> 0) of page-aligned anonymous memory for ``O_DIRECT`` transfers, and its mapping.
+
+    Private, 2 MiB-aligned and advised ``MADV_HUGEPAGE``: where the kernel backs it with transparent huge
+    pages it is physically contiguous per 2 MiB, and a direct write moves it in few, large segments. From
+    memory of scattered 4 KiB pages each device request carries at most its queue's ``max_segments``
+    pages (254 here, 1 MiB): 2 GiB written with ``O_DIRECT`` from 3 bounce buffers of 8 MiB took
+    0.95-1.04 s from private 4 KiB pages, 0.62-0.75 s from shared ones (Python's default for anonymous
+    memory), 0.51-0.63 s from huge pages, against 0.49-0.53 s from one contiguous copy (same rounds).
+    Where huge pages are not given (the advice is missing, or ``never``), ordinary pages serve. The view
+    must be released before the mapping is closed.
+    """
+    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings by that name
+        raw = mmap.mmap(-1, nbytes)
+        return raw, memoryview(raw)
+    raw = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    view = memoryview(raw)
+    skip = -address_of(view) % HUGE_PAGE  # a multiple of the page size: mappings start at a page
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        raw.madvise(mmap.MADV_HUGEPAGE, skip, nbytes)
+    return raw, view[skip : skip + nbytes]
 
 
 def cuda_available() -> bool:

@@ -19,9 +19,10 @@ from conftest import assert_tree_equal
 
 import aiockpt
 from aiockpt import IOConfig, StorageError
-from aiockpt._memory import PAGE, StagingPool, byte_view
+from aiockpt._memory import HUGE_PAGE, PAGE, StagingPool, byte_view, direct_buffer
 from aiockpt._pagecache import resident
 from aiockpt._runs import DIRECT_ALIGN, Piece, address_of, direct_parts, group, write_direct
+from aiockpt._save import _write
 from aiockpt._save._write import Checksums, Direct
 from aiockpt._threads import Aborted
 
@@ -216,6 +217,64 @@ def test_staging_buffers_start_at_a_page() -> None:
         assert buf.data_ptr() % PAGE == 0
         pool.release(buf)
     pool.close()
+
+
+def _vm_flags(address: int) -> list[str] | None:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (``None``: not told here)."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return None
+
+
+def test_direct_buffers_are_private_huge_page_aligned_and_advised_huge_pages() -> None:
+    """Bounce buffers must not be scattered 4 KiB pages, which cap each device request at 1 MiB here."""
+    raw, view = direct_buffer(3 * HUGE_PAGE + 5)
+    try:
+        assert len(view) == 3 * HUGE_PAGE + 5
+        assert not view.readonly
+        view[:] = b"\x01" * len(view)  # touched: the pages exist
+        address = address_of(view)
+        if not hasattr(mmap, "MAP_PRIVATE"):
+            assert address % PAGE == 0
+            return
+        assert address % HUGE_PAGE == 0
+        flags = _vm_flags(address)
+        if flags is None:
+            pytest.skip("/proc/self/smaps cannot be read here")
+        assert "sh" not in flags  # private: Python's anonymous mappings are shared by default
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            assert "hg" in flags  # MADV_HUGEPAGE was given for the whole view
+    finally:
+        view.release()
+        raw.close()
+
+
+async def test_a_save_from_tensor_memory_bounces_through_direct_buffers(
+    direct_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+
+    def spy(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+        made.append(nbytes)
+        return direct_buffer(nbytes)
+
+    monkeypatch.setattr(_write, "direct_buffer", spy)
+    saved = state()
+    await aiockpt.save(saved, direct_dir / "ckpt", io=IO)
+    assert made
+    assert all(n >= 1 << 18 for n in made)  # a run of one or more 256 KiB blocks
+    assert len(made) <= IO.thread_count + 1
+    assert_tree_equal(await aiockpt.read(direct_dir / "ckpt"), saved)
 
 
 # -- saves -------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._fs import open_direct
 from .._gc import paused
-from .._memory import byte_view, plain_cpu, plain_view
+from .._memory import byte_view, direct_buffer, plain_cpu, plain_view
 from .._pagecache import drop_behind, kept, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, address_of, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
@@ -469,8 +469,8 @@ async def read_into(
         scratch = memoryview(bytearray(MAX_GAP))
         spans = (_dio_span(run) for name, run in lane if name in direct_fds and not on_gpu(run))
         span = max((stop - start for start, stop in spans), default=0)
-        # Anonymous mappings are page-aligned; one per reader, reused for every run of its lane.
-        bounce = memoryview(mmap.mmap(-1, span)) if span else scratch
+        # One per reader, reused for every run of its lane (its mapping goes with the view).
+        bounce = direct_buffer(span)[1] if span else scratch
         address = address_of(bounce) if span else 0
         longest = max((run.end - run.offset for _, run in lane if on_gpu(run)), default=0)
         device = DeviceReader(longest) if longest else None

@@ -30,6 +30,7 @@ import msgspec
 
 from .._errors import StorageError
 from .._fs import open_direct, start_writeback
+from .._memory import direct_buffer
 from .._runs import (
     DIRECT_ALIGN,
     Piece,
@@ -264,8 +265,9 @@ class Direct:
                 self._cond.wait(_POLL)
             if self._free:
                 return self._free.pop()
-            self._maps.append(mmap.mmap(-1, self._size))  # anonymous mappings start at a page
-            return memoryview(self._maps[-1])
+            raw, view = direct_buffer(self._size)
+            self._maps.append(raw)
+            return view
 
     def _prepared(self, run: Run, abort: threading.Event) -> _Prepared | None:
         with self._cond:
