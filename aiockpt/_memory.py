@@ -98,13 +98,17 @@ def direct_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
     pages (254 here, 1 MiB): 2 GiB written with ``O_DIRECT`` from 3 bounce buffers of 8 MiB took
     0.95-1.04 s from private 4 KiB pages, 0.62-0.75 s from shared ones (Python's default for anonymous
     memory), 0.51-0.63 s from huge pages, against 0.49-0.53 s from one contiguous copy (same rounds).
-    Where huge pages are not given (the advice is missing, or ``never``), ordinary pages serve. The view
-    must be released before the mapping is closed.
+    Where huge pages are not given (the advice is missing, or ``never``), ordinary pages serve. Not
+    inherited by a forked child (``MADV_DONTFORK``), which would otherwise share pages a direct read
+    writes into, as for pinned buffers (see ``_cuda.pinned_empty``). The view must be released before
+    the mapping is closed.
     """
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings by that name
         raw = mmap.mmap(-1, nbytes)
         return raw, memoryview(raw)
     raw = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_DONTFORK"):
+        raw.madvise(mmap.MADV_DONTFORK)
     view = memoryview(raw)
     skip = -address_of(view) % HUGE_PAGE  # a multiple of the page size: mappings start at a page
     if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -38,7 +38,7 @@ MEMCPY_REPEAT = 3
 MEMCPY = "memcpy (Tensor.copy_)"
 WRITE = "fsync'd write, {} thread(s)"
 WRITE_EARLY = "fsync'd write, writeback started per 16 MiB, {} thread(s)"
-WRITE_DIRECT = "fsync'd write, O_DIRECT from page-aligned memory, {} thread(s)"
+WRITE_DIRECT = "fsync'd write, O_DIRECT from huge-page memory, {} thread(s)"
 READ = "cold read, {} thread(s)"
 AIO_SAVE = "aiockpt.save"
 AIO_SAVE_ASYNC = "aiockpt Checkpointer.save(async_op=True)"

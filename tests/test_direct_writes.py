@@ -236,7 +236,7 @@ def _vm_flags(address: int) -> list[str] | None:
     return None
 
 
-def test_direct_buffers_are_private_huge_page_aligned_and_advised_huge_pages() -> None:
+def test_direct_buffers_are_private_huge_page_aligned_huge_pages_kept_from_children() -> None:
     """Bounce buffers must not be scattered 4 KiB pages, which cap each device request at 1 MiB here."""
     raw, view = direct_buffer(3 * HUGE_PAGE + 5)
     try:
@@ -252,6 +252,8 @@ def test_direct_buffers_are_private_huge_page_aligned_and_advised_huge_pages() -
         if flags is None:
             pytest.skip("/proc/self/smaps cannot be read here")
         assert "sh" not in flags  # private: Python's anonymous mappings are shared by default
+        if hasattr(mmap, "MADV_DONTFORK"):
+            assert "dc" in flags  # not copied into a forked child
         if hasattr(mmap, "MADV_HUGEPAGE"):
             assert "hg" in flags  # MADV_HUGEPAGE was given for the whole view
     finally:
