@@ -18,10 +18,10 @@ import torch
 from conftest import assert_tree_equal
 
 import aiockpt
-from aiockpt import IOConfig, StorageError
-from aiockpt._memory import HUGE_PAGE, PAGE, StagingPool, byte_view, direct_buffer
+from aiockpt import IOConfig, StorageError, _memory
+from aiockpt._memory import HUGE_PAGE, PAGE, BouncePool, StagingPool, byte_view, direct_buffer
 from aiockpt._pagecache import resident
-from aiockpt._runs import DIRECT_ALIGN, Piece, address_of, direct_parts, group, write_direct
+from aiockpt._runs import DIRECT_ALIGN, RUN_BYTES, Piece, address_of, direct_parts, group, write_direct
 from aiockpt._save import _write
 from aiockpt._save._write import Checksums, Direct
 from aiockpt._threads import Aborted
@@ -261,7 +261,7 @@ def test_direct_buffers_are_private_huge_page_aligned_huge_pages_kept_from_child
         raw.close()
 
 
-async def test_a_save_from_tensor_memory_bounces_through_direct_buffers(
+async def test_saves_bounce_through_huge_page_buffers_kept_for_the_next_save(
     direct_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made: list[int] = []
@@ -270,13 +270,32 @@ async def test_a_save_from_tensor_memory_bounces_through_direct_buffers(
         made.append(nbytes)
         return direct_buffer(nbytes)
 
-    monkeypatch.setattr(_write, "direct_buffer", spy)
+    monkeypatch.setattr(_memory, "direct_buffer", spy)
+    _write.BOUNCE.clear()
     saved = state()
-    await aiockpt.save(saved, direct_dir / "ckpt", io=IO)
+    await aiockpt.save(saved, direct_dir / "first", io=IO)
     assert made
-    assert all(n >= 1 << 18 for n in made)  # a run of one or more 256 KiB blocks
+    assert all(n == RUN_BYTES for n in made)  # pooled: a whole run's size, whatever this save's runs
     assert len(made) <= IO.thread_count + 1
-    assert_tree_equal(await aiockpt.read(direct_dir / "ckpt"), saved)
+    made.clear()
+    await aiockpt.save(saved, direct_dir / "second", io=IO)
+    assert made == []  # the first save's buffers, given back, served
+    for name in ("first", "second"):
+        assert_tree_equal(await aiockpt.read(direct_dir / name), saved)
+
+
+def test_the_bounce_pool_keeps_a_few_buffers_of_its_size_only() -> None:
+    pool = BouncePool(size=1 << 20, keep=2)
+    taken = [pool.take(1000) for _ in range(3)] + [pool.take(3 << 20)]
+    assert [len(view) for _, view in taken] == [1 << 20] * 3 + [3 << 20]
+    for buffer in taken:
+        pool.give(buffer)
+    assert taken[3][0].closed  # larger than the pool's size: unmapped
+    assert taken[2][0].closed  # beyond keep: unmapped
+    assert not taken[0][0].closed
+    assert pool.take(1 << 20)[0] in (taken[0][0], taken[1][0])
+    pool.clear()
+    assert taken[0][0].closed or taken[1][0].closed
 
 
 # -- saves -------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ the device every few megabytes (see :data:`_WRITEBACK_EVERY`). The file is fsync
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import itertools
@@ -30,9 +29,10 @@ import msgspec
 
 from .._errors import StorageError
 from .._fs import open_direct, start_writeback
-from .._memory import direct_buffer
+from .._memory import BouncePool
 from .._runs import (
     DIRECT_ALIGN,
+    RUN_BYTES,
     Piece,
     Run,
     address_of,
@@ -181,6 +181,10 @@ def _aligned(p: Piece) -> bool:
 _REFUSED = (errno.EINVAL, errno.EFAULT)
 
 
+# Bounce buffers of one run each (runs are at most RUN_BYTES), kept between saves: as many as two writers
+# and the preparer use, and one more.
+BOUNCE = BouncePool(RUN_BYTES, keep=4)
+
 # How long a thread waiting for the other side of the direct pipeline sleeps between looks at ``abort``.
 _POLL = 0.05
 
@@ -209,7 +213,7 @@ class Direct:
         self._runs = [r for r in runs if r.direct]
         self._slots = max(1, slots)
         self._size = max((r.end - r.offset for r in self._runs), default=0)
-        self._maps: list[mmap.mmap] = []
+        self._taken: list[tuple[mmap.mmap, memoryview]] = []  # from BOUNCE, given back on close
         self._free: list[memoryview] = []
         self._ready: dict[int, _Prepared] = {}  # by run.first
         self._done = False  # the preparer stopped: a run not in _ready is not coming
@@ -257,7 +261,7 @@ class Direct:
         write through the page cache without giving theirs back: the wait must not outlast ``usable``.
         """
         with self._cond:
-            while not self._free and len(self._maps) >= self._slots:
+            while not self._free and len(self._taken) >= self._slots:
                 if abort.is_set():
                     raise Aborted
                 if not self.usable:
@@ -265,9 +269,8 @@ class Direct:
                 self._cond.wait(_POLL)
             if self._free:
                 return self._free.pop()
-            raw, view = direct_buffer(self._size)
-            self._maps.append(raw)
-            return view
+            self._taken.append(BOUNCE.take(self._size))
+            return self._taken[-1][1]
 
     def _prepared(self, run: Run, abort: threading.Event) -> _Prepared | None:
         with self._cond:
@@ -309,12 +312,15 @@ class Direct:
         return True
 
     def close(self) -> None:
-        """Close the descriptor and unmap the bounce buffers (blocking)."""
+        """Close the descriptor and give the bounce buffers back to :data:`BOUNCE` (blocking).
+
+        Called once every thread of the save is done with them.
+        """
         self._ready.clear()
         self._free.clear()
-        for m in self._maps:
-            with contextlib.suppress(BufferError):  # a view still held (by a traceback): unmapped when freed
-                m.close()
+        taken, self._taken = self._taken, []
+        for buffer in taken:
+            BOUNCE.give(buffer)
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
