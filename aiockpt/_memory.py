@@ -157,6 +157,15 @@ class BouncePool:
         for buffer in kept:
             _unmap(buffer)
 
+    def forget(self) -> None:
+        """In a forked child: drop the kept buffers, which ``MADV_DONTFORK`` left out of its memory.
+
+        Handing one out there would be handing out addresses that nothing is mapped at. The lock is
+        made anew too: another thread of the parent may have held it at the fork.
+        """
+        self._lock = threading.Lock()
+        self._free = []  # unmapping ranges that are not mapped is harmless
+
 
 def _unmap(buffer: tuple[mmap.mmap, memoryview]) -> None:
     raw, view = buffer

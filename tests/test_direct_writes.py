@@ -284,6 +284,32 @@ async def test_saves_bounce_through_huge_page_buffers_kept_for_the_next_save(
         assert_tree_equal(await aiockpt.read(direct_dir / name), saved)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_gets_new_bounce_buffers_not_the_parents_unmapped_ones() -> None:
+    """The kept buffers are MADV_DONTFORK: in a child their addresses hold nothing (touching: SIGSEGV)."""
+    buffer = _write.BOUNCE.take(1)
+    _write.BOUNCE.give(buffer)  # kept
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no threads, no event loop; only the pool
+        code = 1
+        try:
+            _raw, view = _write.BOUNCE.take(1)
+            view[:] = b"\x01" * len(view)
+            code = 0 if view[-1] == 1 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.01)
+    assert os.WIFEXITED(status), f"the child died of signal {os.WTERMSIG(status)}"
+    assert os.WEXITSTATUS(status) == 0
+    assert _write.BOUNCE.take(1) == buffer  # the parent still has it
+
+
 def test_the_bounce_pool_keeps_a_few_buffers_of_its_size_only() -> None:
     pool = BouncePool(size=1 << 20, keep=2)
     taken = [pool.take(1000) for _ in range(3)] + [pool.take(3 << 20)]

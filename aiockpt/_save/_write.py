@@ -181,9 +181,11 @@ def _aligned(p: Piece) -> bool:
 _REFUSED = (errno.EINVAL, errno.EFAULT)
 
 
-# Bounce buffers of one run each (runs are at most RUN_BYTES), kept between saves: as many as two writers
-# and the preparer use, and one more.
+# Bounce buffers of one run each (a run holds at most RUN_BYTES, or one block if larger: not kept), kept
+# between saves: as many as two writers and the preparer use, and one more.
 BOUNCE = BouncePool(RUN_BYTES, keep=4)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=BOUNCE.forget)
 
 # How long a thread waiting for the other side of the direct pipeline sleeps between looks at ``abort``.
 _POLL = 0.05
