@@ -106,14 +106,15 @@ class IOConfig:
             the write costs little CPU time and neither fills nor evicts the page cache; a file written so
             gets two writer threads where ``threads`` is ``None`` (:attr:`direct_thread_count`). On a 2-vCPU
             VM, 2 GiB: write phases of 0.50-0.53 s from a staging buffer and 0.49-0.51 s (best of 4) from
-            tensor memory, against 0.48-0.53 s for a plain ``O_DIRECT`` write and 0.5-5.5 s for a buffered
-            one, which took as much CPU time as that; in the benchmark suite, durable saves' slowest rounds
-            0.71-1.0 s against 5.4-5.7 s, and the loop-lag max of reused-buffer ``async_op=True`` saves
-            2.0-3.9 ms in four runs of five (55.0 ms in one) against 82.5 and 964.3 ms in the two runs of the
-            code before. The price: a checkpoint just saved is not in the page cache, so loading it right away
-            reads the device. Where the file system or the memory refuses ``O_DIRECT``, on open or on a write,
-            the rest of the file is written through the page cache. ``False`` writes everything through the
-            page cache. Local files only: saves to object storage upload as before.
+            tensor memory, against 0.48-0.53 s for a plain ``O_DIRECT`` write from 4 KiB pages (0.45-0.47 s
+            from huge pages) and 0.5-5.5 s for a buffered one, which took as much CPU time as that; in the
+            benchmark suite, durable saves' slowest rounds 0.71-1.0 s against 5.4-5.7 s, and the loop-lag max
+            of reused-buffer ``async_op=True`` saves 2.0-3.9 ms in four runs of five (55.0 ms in one) against
+            82.5 and 964.3 ms in the two runs of the code before. The price: a checkpoint just saved is not in
+            the page cache, so loading it right away reads the device. Where the file system or the memory
+            refuses ``O_DIRECT``, on open or on a write, the rest of the file is written through the page
+            cache. ``False`` writes everything through the page cache. Local files only: saves to object
+            storage upload as before.
         worker_nice: How much lower than the caller's the scheduling priority of the threads that
             copy (``async_op=True`` staging), checksum and write a save's bytes is (a ``nice``
             increment; Linux only, where each thread has its own; 0 leaves it). They run at full speed
