@@ -7,7 +7,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -415,21 +414,33 @@ async def test_a_load_cancelled_while_its_checker_works_leaves_nothing_behind(
     ckpt_path: Path, one_cpu: int, monkeypatch: pytest.MonkeyPatch, restored: None
 ) -> None:
     saved = _state(n=16)
-    # Through the page cache, so that the load's first run is read within the 50 ms it is given.
-    await aiockpt.save(saved, ckpt_path, io=replace(IO, direct_writes=False))
+    await aiockpt.save(saved, ckpt_path, io=IO)
     checks = 0
+    checking = threading.Event()
     mismatched = _read.mismatched
 
     def slow(*args: object) -> object:
         nonlocal checks
         checks += 1
+        checking.set()
         time.sleep(0.02)
         return mismatched(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_read, "mismatched", slow)
-    with anyio.move_on_after(0.05) as scope:
-        await aiockpt.load(_zeros_like(saved), ckpt_path, io=IO)
-    assert scope.cancelled_caught
+    loaded = False
+    # Cancelled once the first check has begun, however long the load took to reach it (a fixed 50 ms
+    # was sometimes too short on a loaded CI machine).
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_when_checking() -> None:
+                await anyio.to_thread.run_sync(checking.wait, 30, abandon_on_cancel=True)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(cancel_when_checking)
+            await aiockpt.load(_zeros_like(saved), ckpt_path, io=IO)
+            loaded = True
+    assert not loaded
     assert 0 < checks < 6  # cancelled mid-load (6 runs of 8 MiB), not after it
     # Usable again at once.
     monkeypatch.setattr(_read, "mismatched", mismatched)
