@@ -256,6 +256,30 @@ def train_step(
         sched.step()
 
 
+# --- Memory ---------------------------------------------------------------------------------------------
+
+
+def mapping_at(address: int) -> tuple[int, str, list[str]] | None:
+    """This process's mapping that holds ``address``: its start, permissions and ``VmFlags``.
+
+    ``None`` where ``/proc/self/smaps`` cannot be read (or lists no such mapping).
+    """
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    found: tuple[int, str] | None = None
+    for line in lines:
+        fields = line.split()
+        head = fields[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            found = (start, fields[1]) if start <= address < end else None
+        elif found is not None and head == "VmFlags:":
+            return (*found, fields[1:])
+    return None
+
+
 # --- File system ----------------------------------------------------------------------------------------
 
 

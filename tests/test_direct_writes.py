@@ -15,7 +15,7 @@ import anyio
 import crc32c
 import pytest
 import torch
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, mapping_at
 
 import aiockpt
 from aiockpt import IOConfig, StorageError, _memory
@@ -219,23 +219,6 @@ def test_staging_buffers_start_at_a_page() -> None:
     pool.close()
 
 
-def _vm_flags(address: int) -> list[str] | None:
-    """The ``VmFlags`` of this process's mapping that holds ``address`` (``None``: not told here)."""
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    return None
-
-
 def test_direct_buffers_are_private_huge_page_aligned_huge_pages_kept_from_children() -> None:
     """Bounce buffers must not be scattered 4 KiB pages, which cap each device request at 1 MiB here."""
     raw, view = direct_buffer(3 * HUGE_PAGE + 5)
@@ -248,10 +231,12 @@ def test_direct_buffers_are_private_huge_page_aligned_huge_pages_kept_from_child
             assert address % PAGE == 0
             return
         assert address % HUGE_PAGE == 0
-        flags = _vm_flags(address)
-        if flags is None:
+        mapping = mapping_at(address)
+        if mapping is None:
             pytest.skip("/proc/self/smaps cannot be read here")
-        assert "sh" not in flags  # private: Python's anonymous mappings are shared by default
+        _, perms, flags = mapping
+        assert perms.endswith("p")  # private: Python's anonymous mappings are shared by default
+        assert "sh" not in flags
         if hasattr(mmap, "MADV_DONTFORK"):
             assert "dc" in flags  # not copied into a forked child
         if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -26,6 +26,7 @@ from conftest import (
     layouts,
     make_model,
     make_optimizer,
+    mapping_at,
     random_tensor,
     snapshot,
     tensor_at,
@@ -216,11 +217,12 @@ def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_la
     assert buf.numel() == n
     assert buf.dtype == torch.uint8
     assert fake.calls == [("register", buf.data_ptr(), n)]
-    if sys.platform == "linux":  # a private mapping that a forked child does not inherit
-        smaps = Path("/proc/self/smaps").read_text().split("\n")
-        at = next(i for i, line in enumerate(smaps) if line.startswith(f"{buf.data_ptr():x}-"))
-        assert smaps[at].split()[1].endswith("p")
-        flags = next(line for line in smaps[at:] if line.startswith("VmFlags:")).split()
+    if sys.platform == "linux":  # a private mapping of its own that a forked child does not inherit
+        mapping = mapping_at(buf.data_ptr())
+        assert mapping is not None
+        start, perms, flags = mapping
+        assert start == buf.data_ptr()
+        assert perms.endswith("p")
         assert "dc" in flags
     buf.fill_(7)
     view = buf[n - 10 :]
