@@ -7,7 +7,10 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -42,6 +45,25 @@ def test_large_copies_are_cut_into_pieces_over_threads(monkeypatch: pytest.Monke
     assert torch.equal(buffer[7:at], torch.cat(sources))
     assert not buffer[:7].any()
     assert not buffer[at:].any()
+
+
+def test_pieces_are_split_over_threads_in_lanes_of_equal_bytes_not_equal_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One long piece, then eight short ones: two lanes of five and four pieces would hold 12 and 4 bytes.
+    lanes: list[list[int]] = []
+
+    def record(works: Sequence[Callable[[], None]]) -> None:
+        for work in works:
+            lanes.append([n for _, n in cast("partial[None]", work).args[0]])
+            work()
+
+    monkeypatch.setattr(_stage, "each_in_thread", record)
+    done: list[int] = []
+    pieces = [(partial(done.append, i), n) for i, n in enumerate([8] + [1] * 8)]
+    _stage._over_threads(pieces, 2)
+    assert [sum(lane) for lane in lanes] == [8, 8]
+    assert done == list(range(9))  # every piece once, in order
 
 
 def test_work_split_over_threads_runs_at_the_saves_priority_and_reports_failures() -> None:
