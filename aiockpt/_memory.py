@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ import torch
 
 from ._cuda import pinned_empty
 from ._errors import BusyError
-from ._runs import DIRECT_ALIGN, address_of
+from ._runs import DIRECT_ALIGN, RUN_BYTES, address_of
 
 _EMPTY = memoryview(bytearray(0))
 
@@ -118,7 +119,7 @@ def direct_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
 
 
 class BouncePool:
-    """Bounce buffers for direct writes (:func:`direct_buffer`, ``size`` bytes each), kept between saves.
+    """Bounce buffers for direct I/O (:func:`direct_buffer`, ``size`` bytes each), kept between uses.
 
     A save's first copies into new huge pages ran at 0.1-0.4 GB/s in the benchmark suite once other
     libraries had churned memory (the kernel compacting it for them), against 5-9 GB/s into pages
@@ -165,6 +166,15 @@ class BouncePool:
         """
         self._lock = threading.Lock()
         self._free = []  # unmapping ranges that are not mapped is harmless
+
+
+# The bounce buffers of direct writes and direct reads: one run each (``RUN_BYTES``, widened to page
+# alignment at both ends, as a direct read of a run at an unaligned offset is; a run of one larger block
+# gets one of its own, not kept). Kept: as many as a save's two writers and its preparer, or a load's two
+# readers and its finisher, use at once, and one more.
+BOUNCE = BouncePool(RUN_BYTES + 2 * DIRECT_ALIGN, keep=4)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=BOUNCE.forget)
 
 
 def _unmap(buffer: tuple[mmap.mmap, memoryview]) -> None:

@@ -142,6 +142,12 @@ def kept(before: bytes, spans: Iterable[tuple[int, int]]) -> bytes:
     return bytes(vec)
 
 
+def uncached(before: bytes, start: int, end: int) -> bool:
+    """Whether no page overlapping ``[start, end)`` was cached, by ``before`` (see :func:`resident`)."""
+    first, stop = start // PAGE, -(-end // PAGE)
+    return before.count(0, first, stop) == stop - first
+
+
 def drop_behind(fd: int, start: int, end: int, before: bytes | None) -> None:
     """Evict the pages of ``fd`` wholly inside ``[start, end)``, unless any of them was cached before.
 
@@ -150,10 +156,7 @@ def drop_behind(fd: int, start: int, end: int, before: bytes | None) -> None:
     ``end`` stay, so a neighbouring range being read is not disturbed. Eviction is a hint: a failure is
     ignored.
     """
-    if before is None or end <= start:
-        return
-    first, stop = start // PAGE, -(-end // PAGE)
-    if before.count(0, first, stop) != stop - first:
+    if before is None or end <= start or not uncached(before, start, end):
         return
     with contextlib.suppress(OSError):
         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)

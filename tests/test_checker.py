@@ -283,8 +283,10 @@ def _zeros_like(state: dict[str, torch.Tensor]) -> dict[str, object]:
     return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
-# Blocks of 1 MiB, in runs of up to 8 MiB: every run goes to a checker (blocks of 64 KiB or more).
-IO = IOConfig(threads=1, checksum_block=MIB)
+# Blocks of 1 MiB, in runs of up to 8 MiB: every run goes to a checker (blocks of 64 KiB or more). Read
+# through the page cache: by default such runs of a cold file are read with O_DIRECT, by readers that a
+# finisher follows instead (see test_direct_reads).
+IO = IOConfig(threads=1, checksum_block=MIB, direct_reads=False)
 
 
 @pytest.fixture
@@ -361,7 +363,9 @@ async def test_a_lane_of_one_large_run_is_checked_by_its_reader(
 ) -> None:
     saved = _state(n=2)  # 6 MiB: one run
     await aiockpt.save(saved, ckpt_path, io=IO)
-    unmapped = IOConfig(threads=1, checksum_block=MIB, map_reads=False)  # read, not mapped
+    unmapped = IOConfig(
+        threads=1, checksum_block=MIB, map_reads=False, direct_reads=False
+    )  # read, not mapped
     assert_tree_equal(await aiockpt.read(ckpt_path, io=unmapped), saved)
     assert len(spied["read"]) == 1
     assert [name for name, _ in spied["check"]] == [spied["read"][0][0]]  # the reader's own thread
@@ -373,7 +377,9 @@ async def test_without_checkers_every_reader_checks_its_own_runs(
     saved = _state()
     await aiockpt.save(saved, ckpt_path, io=IO)
     target = _zeros_like(saved)
-    await aiockpt.load(target, ckpt_path, io=IOConfig(threads=1, checksum_block=MIB, checkers=False))
+    await aiockpt.load(
+        target, ckpt_path, io=IOConfig(threads=1, checksum_block=MIB, checkers=False, direct_reads=False)
+    )
     assert_tree_equal(target, saved)
     readers = {name for name, _ in spied["read"]}
     assert len(readers) == 1

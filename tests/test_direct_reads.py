@@ -1,16 +1,25 @@
-"""``IOConfig(direct_reads=True)``: loads through O_DIRECT and bounce buffers keep every load guarantee."""
+"""Loads through O_DIRECT and bounce buffers (by default of cold data; or of all) keep every guarantee."""
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
+import threading
+import time
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from conftest import assert_tree_equal, flip_byte
 
 import aiockpt
-from aiockpt import CorruptionError, IOConfig
+from aiockpt import CorruptionError, IOConfig, StorageError, _memory
+from aiockpt._load import _direct
+from aiockpt._load._manifest import read_manifest
+from aiockpt._pagecache import resident
+from aiockpt._tree import render
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,3 +121,275 @@ async def test_unflushed_writes_are_seen_by_direct_reads(ckpt_path: Path) -> Non
     flip_byte(data, raw.find(state["t"].numpy().tobytes()) + 8)
     with pytest.raises(CorruptionError):
         await aiockpt.read(ckpt_path, io=DIRECT)
+
+
+# -- The default (direct_reads=None): runs of large blocks that nothing of is cached go direct -----------
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _resident(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = resident(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    assert pages is not None
+    return pages
+
+
+def _cold(ckpt: Path) -> None:
+    """Evict the checkpoint's data file; skip where its pages cannot be evicted (tmpfs)."""
+    data = ckpt / DATA
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("this platform has no posix_fadvise")
+    _evict(data)
+    if any(_resident(data)):
+        pytest.skip("the temporary directory's file system keeps its pages cached (tmpfs)")
+
+
+def large_state() -> dict[str, object]:
+    """Two tensors of 8 MiB (a run each: 8 blocks of 1 MiB, see BLOCKS), then small tensors (one run)."""
+    gen = torch.Generator().manual_seed(4)
+    return {
+        "big": torch.randn(2 << 20, generator=gen),
+        "big2": torch.randn(2 << 20, generator=gen),
+        "small": {f"s{i}": torch.randn(i + 1, generator=gen) for i in range(40)},
+        "step": 7,
+    }
+
+
+BLOCKS = IOConfig(checksum_block=1 << 20)
+
+
+def _range_of(ckpt: Path, key: str) -> tuple[int, int]:
+    """The byte range of ``key``'s only chunk in the data file."""
+    manifest = read_manifest(ckpt)
+    (entry,) = [e for e in manifest.tensors if render(e.path) == key]
+    (chunk,) = entry.chunks
+    return chunk.offset, chunk.offset + chunk.nbytes
+
+
+@pytest.fixture
+def direct_spans(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The file ranges read by the direct pipeline's readers, in the order read."""
+    spans: list[tuple[int, int]] = []
+    read_span = _direct._read_span
+
+    def spy(direct_fd: int, fd: int, buffer: memoryview, start: int) -> int:
+        spans.append((start, start + len(buffer)))
+        return read_span(direct_fd, fd, buffer, start)
+
+    monkeypatch.setattr(_direct, "_read_span", spy)
+    return spans
+
+
+def _within(inner: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    """Whether every byte of ``inner`` lies in one of ``spans`` (which do not overlap)."""
+    lo, hi = inner
+    covered = sum(max(0, min(hi, b) - max(lo, a)) for a, b in spans)
+    return covered == hi - lo
+
+
+def _touches(inner: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    return any(min(inner[1], b) > max(inner[0], a) for a, b in spans)
+
+
+async def test_a_default_load_reads_cold_large_blocks_directly_and_small_ones_buffered(
+    ckpt_path: Path, direct_spans: list[tuple[int, int]]
+) -> None:
+    state = large_state()
+    await aiockpt.save(state, ckpt_path, io=BLOCKS)
+    _cold(ckpt_path)
+    target = zeros_like_tree(state)
+    await aiockpt.load(target, ckpt_path)
+    assert_tree_equal(target, state)
+    assert _within(_range_of(ckpt_path, "big"), direct_spans)
+    assert _within(_range_of(ckpt_path, "big2"), direct_spans)
+    for i in (0, 20, 39):  # packed small tensors: read through the page cache, then evicted
+        assert not _touches(_range_of(ckpt_path, f"small/s{i}"), direct_spans)
+    assert not any(_resident(ckpt_path / DATA)), "a cold load must leave nothing cached"
+
+
+async def test_cached_runs_are_read_through_the_page_cache_and_stay_cached(
+    ckpt_path: Path, direct_spans: list[tuple[int, int]]
+) -> None:
+    state = large_state()
+    await aiockpt.save(state, ckpt_path, io=BLOCKS)
+    _cold(ckpt_path)
+    big = _range_of(ckpt_path, "big")
+    fd = os.open(ckpt_path / DATA, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: exactly these pages get cached
+        middle = (big[0] + big[1]) // 2 // 4096 * 4096
+        os.pread(fd, 4096, middle)
+    finally:
+        os.close(fd)
+    before = _resident(ckpt_path / DATA)
+    assert before[middle // 4096]
+    assert sum(map(bool, before)) == 1
+    target = zeros_like_tree(state)
+    await aiockpt.load(target, ckpt_path)
+    assert_tree_equal(target, state)
+    assert not _touches(big, direct_spans)  # its run was read through the page cache
+    assert _within(_range_of(ckpt_path, "big2"), direct_spans)
+    assert _resident(ckpt_path / DATA)[middle // 4096], "a page cached before the load must stay cached"
+
+
+@pytest.mark.parametrize(
+    "io",
+    [IOConfig(direct_reads=False), IOConfig(drop_behind=False)],
+    ids=["direct_reads=False", "drop_behind=False"],
+)
+async def test_loads_that_keep_or_share_pages_read_nothing_directly(
+    io: IOConfig, ckpt_path: Path, direct_spans: list[tuple[int, int]]
+) -> None:
+    """``drop_behind=False`` (several ranks on one machine, by default) may share pages: not direct."""
+    state = large_state()
+    await aiockpt.save(state, ckpt_path, io=BLOCKS)
+    _cold(ckpt_path)
+    target = zeros_like_tree(state)
+    await aiockpt.load(target, ckpt_path, io=io)
+    assert_tree_equal(target, state)
+    assert direct_spans == []
+
+
+def _flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def _failing_direct_reads(monkeypatch: pytest.MonkeyPatch, code: int, after: int = 0) -> list[int]:
+    """Make ``os.preadv`` on ``O_DIRECT`` descriptors fail with ``code`` after ``after`` calls."""
+    preadv = os.preadv
+    calls: list[int] = []
+
+    def failing(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if _flags(fd) & os.O_DIRECT:
+            calls.append(offset)
+            if len(calls) > after:
+                raise OSError(code, os.strerror(code))
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    return calls
+
+
+async def test_a_direct_read_refused_when_reading_is_done_through_the_page_cache(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch, direct_spans: list[tuple[int, int]]
+) -> None:
+    state = large_state()
+    await aiockpt.save(state, ckpt_path, io=BLOCKS)
+    _cold(ckpt_path)
+    refused = _failing_direct_reads(monkeypatch, errno.EINVAL)
+    target = zeros_like_tree(state)
+    await aiockpt.load(target, ckpt_path)
+    assert refused
+    assert direct_spans
+    assert_tree_equal(target, state)
+
+
+def _bounce_accounting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count bounce buffers taken from the shared pool and not given back: ``[outstanding]``."""
+    out = [0]
+    take, give = _memory.BOUNCE.take, _memory.BOUNCE.give
+
+    def counted_take(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+        out[0] += 1
+        return take(nbytes)
+
+    def counted_give(buffer: tuple[mmap.mmap, memoryview]) -> None:
+        out[0] -= 1
+        give(buffer)
+
+    monkeypatch.setattr(_memory.BOUNCE, "take", counted_take)
+    monkeypatch.setattr(_memory.BOUNCE, "give", counted_give)
+    return out
+
+
+async def test_a_failing_direct_read_fails_the_load_by_directory_and_stops_every_thread(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(6)}  # 24 MiB: several runs per reader
+    await aiockpt.save(state, ckpt_path)
+    _cold(ckpt_path)
+    outstanding = _bounce_accounting(monkeypatch)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    threads = threading.active_count()
+    _failing_direct_reads(monkeypatch, errno.EIO, after=2)
+    with anyio.fail_after(30), pytest.raises(StorageError, match=str(ckpt_path)) as info:
+        await aiockpt.load({k: torch.zeros_like(v) for k, v in state.items()}, ckpt_path)
+    assert isinstance(info.value.__cause__, OSError)
+    assert outstanding == [0]
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds
+    assert threading.active_count() <= threads + 4  # anyio's pool may have grown; none is stuck
+    monkeypatch.undo()
+    target: dict[str, object] = {k: torch.zeros_like(v) for k, v in state.items()}
+    await aiockpt.load(target, ckpt_path)
+    assert_tree_equal(target, state)
+
+
+async def test_a_load_cancelled_during_direct_reads_leaves_nothing_behind(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {f"w{i}": torch.randn(1 << 20) for i in range(6)}
+    await aiockpt.save(state, ckpt_path)
+    _cold(ckpt_path)
+    outstanding = _bounce_accounting(monkeypatch)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    preadv = os.preadv
+    reading = threading.Event()
+    calls = 0
+
+    def slow(fd: int, buffers: list[memoryview], offset: int) -> int:
+        nonlocal calls
+        if _flags(fd) & os.O_DIRECT:
+            calls += 1
+            reading.set()
+            time.sleep(0.05)
+        return preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", slow)
+    loaded = False
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_when_reading() -> None:
+                await anyio.to_thread.run_sync(reading.wait, 30, abandon_on_cancel=True)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(cancel_when_reading)
+            await aiockpt.load({k: torch.zeros_like(v) for k, v in state.items()}, ckpt_path)
+            loaded = True
+    assert not loaded
+    assert 0 < calls < 4  # stopped mid-load (three runs of 8 MiB), not after it
+    assert outstanding == [0]
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds
+    monkeypatch.setattr(os, "preadv", preadv)
+    target: dict[str, object] = {k: torch.zeros_like(v) for k, v in state.items()}
+    await aiockpt.load(target, ckpt_path)
+    assert_tree_equal(target, state)
+
+
+async def test_a_damaged_block_read_directly_by_default_names_key_and_file(ckpt_path: Path) -> None:
+    state = {"weights": torch.full((1 << 18,), 1.5), "other": torch.full((1 << 18,), 2.5)}
+    await aiockpt.save(state, ckpt_path)
+    start, _ = _range_of(ckpt_path, "other")
+    flip_byte(ckpt_path / DATA, start + 100)
+    _cold(ckpt_path)
+    target: dict[str, object] = {"weights": torch.zeros(1 << 18), "other": torch.zeros(1 << 18)}
+    with pytest.raises(CorruptionError) as info:
+        await aiockpt.load(target, ckpt_path)
+    assert info.value.key == "other"
+    assert info.value.file is not None
+    assert Path(info.value.file).name == DATA

@@ -21,8 +21,7 @@ import aiockpt
 from aiockpt import IOConfig, StorageError, _memory
 from aiockpt._memory import HUGE_PAGE, PAGE, BouncePool, StagingPool, byte_view, direct_buffer
 from aiockpt._pagecache import resident
-from aiockpt._runs import DIRECT_ALIGN, RUN_BYTES, Piece, address_of, direct_parts, group, write_direct
-from aiockpt._save import _write
+from aiockpt._runs import DIRECT_ALIGN, Piece, address_of, direct_parts, group, write_direct
 from aiockpt._save._write import Checksums, Direct
 from aiockpt._threads import Aborted
 
@@ -256,11 +255,11 @@ async def test_saves_bounce_through_huge_page_buffers_kept_for_the_next_save(
         return direct_buffer(nbytes)
 
     monkeypatch.setattr(_memory, "direct_buffer", spy)
-    _write.BOUNCE.clear()
+    _memory.BOUNCE.clear()
     saved = state()
     await aiockpt.save(saved, direct_dir / "first", io=IO)
     assert made
-    assert all(n == RUN_BYTES for n in made)  # pooled: a whole run's size, whatever this save's runs
+    assert all(n == _memory.BOUNCE.size for n in made)  # pooled: one size, whatever this save's runs
     assert len(made) <= IO.thread_count + 1
     made.clear()
     await aiockpt.save(saved, direct_dir / "second", io=IO)
@@ -272,13 +271,13 @@ async def test_saves_bounce_through_huge_page_buffers_kept_for_the_next_save(
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_forked_child_gets_new_bounce_buffers_not_the_parents_unmapped_ones() -> None:
     """The kept buffers are MADV_DONTFORK: in a child their addresses hold nothing (touching: SIGSEGV)."""
-    buffer = _write.BOUNCE.take(1)
-    _write.BOUNCE.give(buffer)  # kept
+    buffer = _memory.BOUNCE.take(1)
+    _memory.BOUNCE.give(buffer)  # kept
     pid = os.fork()
     if pid == 0:  # the child: no pytest, no threads, no event loop; only the pool
         code = 1
         try:
-            _raw, view = _write.BOUNCE.take(1)
+            _raw, view = _memory.BOUNCE.take(1)
             view[:] = b"\x01" * len(view)
             code = 0 if view[-1] == 1 else 2
         finally:
@@ -292,7 +291,7 @@ def test_a_forked_child_gets_new_bounce_buffers_not_the_parents_unmapped_ones() 
         time.sleep(0.01)
     assert os.WIFEXITED(status), f"the child died of signal {os.WTERMSIG(status)}"
     assert os.WEXITSTATUS(status) == 0
-    assert _write.BOUNCE.take(1) == buffer  # the parent still has it
+    assert _memory.BOUNCE.take(1) == buffer  # the parent still has it
 
 
 def test_the_bounce_pool_keeps_a_few_buffers_of_its_size_only() -> None:

@@ -48,8 +48,8 @@ async def _manifest(
 ) -> tuple[Manifest, _Cached]:
     """The manifest, and what of the data files was cached before the load began.
 
-    The second is ``None`` where the read will not evict what it read (``drop_behind`` off, direct
-    reads, object storage).
+    The second is ``None`` where the read will not evict what it read (``drop_behind`` off,
+    ``direct_reads=True``, object storage).
     """
     if isinstance(path, S3Path):
         from .._storage._s3 import read_manifest as read_object_manifest
@@ -59,7 +59,7 @@ async def _manifest(
     def read() -> tuple[Manifest, _Cached]:
         manifest = read_manifest(path)
         cached: _Cached = None
-        if not io.direct_reads and io.drops_behind:
+        if io.direct_reads is not True and io.drops_behind:
             cached = cached_pages(path, manifest)
         return manifest, cached
 
@@ -85,6 +85,7 @@ async def _fill(
             plan.destinations,
             threads=io.thread_count,
             direct=io.direct_reads,
+            direct_threads=io.direct_thread_count,
             cached=cached,
             checkers=io.checkers,
             limiter=limiter,
@@ -192,7 +193,7 @@ async def _read_fresh(
     path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
 ) -> dict[Key, object]:
     manifest, cached = await _manifest(path, io, limiter)
-    mapper = None if isinstance(path, S3Path) or io.direct_reads or not io.map_reads else Mapper(path)
+    mapper = None if isinstance(path, S3Path) or io.direct_reads is True or not io.map_reads else Mapper(path)
     read_plan = partial(match, manifest, None, allow_pickle=allow_pickle, mapper=mapper)
     plan = await run_sync(read_plan, limiter)
     readable(plan, path)

@@ -5,17 +5,16 @@ Others (slices of a resharded tensor, non-contiguous or GPU targets) are read in
 copied into place afterwards, in a worker thread. Contiguous GPU targets are read through their
 reader's two small pinned buffers, and copied from there as each run is verified (see ``_device``). Copies
 to GPU targets are enqueued on the caller's current stream of their device (see ``_cuda``): ordered after
-the caller's earlier work on them, and done when the load returns. With ``direct`` reads, each run is
-read with ``O_DIRECT`` into its reader's page-aligned bounce buffer instead, verified there and copied
-into place (runs bound for GPU targets are read through the page cache). Fresh tensors that are views of
+the caller's earlier work on them, and done when the load returns. Runs read with ``O_DIRECT`` (by
+default those of large blocks that nothing of is cached, see ``IOConfig.direct_reads``) go through
+bounce buffers instead: read by readers of their own, verified and copied into place by a finisher
+(see ``_direct``); runs bound for GPU targets are read through the page cache. Fresh tensors that are views of
 their data file's mapping (``aiockpt.read``, see ``_mapped``) are not read into: their runs are
 populated from the file and verified in place, and never evicted (their pages are the tensors' memory).
 """
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import threading
 from collections import deque
@@ -35,22 +34,19 @@ from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._fs import open_direct
 from .._gc import paused
-from .._memory import byte_view, direct_buffer, plain_cpu, plain_view
-from .._pagecache import drop_behind, kept, resident, sweep
-from .._runs import MAX_GAP, Piece, Run, address_of, group, lanes, read_run, split
-from .._threads import Aborted, dismantle, run_sync, run_workers
+from .._memory import byte_view, plain_cpu, plain_view
+from .._pagecache import drop_behind, kept, resident, sweep, uncached
+from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
+from .._threads import Aborted, dismantle, run_each, run_sync, run_workers
 from .._tree import dtype_from_name, render
 from ._checker import Checker, checker_cpus, pinned, wants_checker
 from ._device import DeviceReader, sink_of
+from ._direct import DirectReads, copy_checked, span
 from ._mapped import populate
 from ._match import Destination
 
 _ByFile = dict[str, list[Piece]]
 _OFFSET = attrgetter("offset")
-
-# O_DIRECT needs file offsets, lengths and buffer addresses aligned to the device's logical block size
-# (512 or 4096 bytes); page alignment satisfies every device.
-_DIO_ALIGN = mmap.PAGESIZE
 
 
 @dataclass(slots=True)
@@ -230,47 +226,6 @@ def mismatched(pieces: Iterable[Piece], checksums: Sequence[tuple[int, ...]]) ->
     return [p for p in pieces if crc32c.crc32c(p.view) != checksums[p.item][p.block]]
 
 
-def _dio_span(run: Run) -> tuple[int, int]:
-    """The file range ``[start, stop)`` that covers ``run``, widened to ``O_DIRECT`` alignment."""
-    return run.offset - run.offset % _DIO_ALIGN, -(-run.end // _DIO_ALIGN) * _DIO_ALIGN
-
-
-def read_checked_direct(
-    fd: int, run: Run, bounce: memoryview, address: int, checksums: Sequence[tuple[int, ...]] | None
-) -> tuple[list[Piece], list[Piece]]:
-    """Like :func:`read_checked`, for ``fd`` opened with ``O_DIRECT``: read into ``bounce``, verify, copy.
-
-    ``bounce`` is page-aligned memory at ``address``, at least as long as the run's :func:`_dio_span`.
-    Only blocks that verify are copied into their pieces' views. The copies run through ``ctypes``, which
-    releases the GIL, so the event loop keeps running while a reader copies.
-
-    Returns:
-        The pieces the file ended before (truncated), and the pieces whose checksum does not match.
-    """
-    start, stop = _dio_span(run)
-    got = 0
-    while start + got < stop:
-        done = os.preadv(fd, [bounce[got : stop - start]], start + got)
-        got += done
-        # Only the end of the file makes a read return less than asked, or an unaligned count.
-        if done == 0 or got % _DIO_ALIGN:
-            break
-    end = start + got
-    short: list[Piece] = []
-    bad: list[Piece] = []
-    for p in run.pieces:
-        n = len(p.view)
-        if p.offset + n > end:
-            short.append(p)
-            continue
-        at = p.offset - start
-        if checksums is not None and crc32c.crc32c(bounce[at : at + n]) != checksums[p.item][p.block]:
-            bad.append(p)
-        elif n:
-            ctypes.memmove(address_of(p.view), address + at, n)
-    return short, bad
-
-
 def _open_direct(path: Path) -> int | None:
     """``path`` opened with ``O_DIRECT``, or ``None`` where that is refused or fails.
 
@@ -306,11 +261,14 @@ def _release(
     fds: dict[str, int],
     before: dict[str, bytes | None],
     direct_fds: Iterable[int],
+    pipeline: DirectReads | None,
     copies: list[Callable[[], None]],
     keep: list[torch.Tensor],
     reads: list[_Read],
     by_file: _ByFile,
 ) -> None:
+    if pipeline is not None:
+        pipeline.close()
     for name, fd in fds.items():
         if name in before:
             sweep(fd, before[name])
@@ -337,18 +295,23 @@ async def read_into(
     destinations: dict[int, Destination],
     *,
     threads: int,
-    direct: bool = False,
+    direct: bool | None = False,
+    direct_threads: int = 2,
     cached: Mapping[str, bytes | None] | None = None,
     checkers: bool = True,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> int:
     """Fill every destination from ``directory``'s data files; return the bytes read.
 
-    ``direct`` reads through ``O_DIRECT`` where the file system allows it (see ``IOConfig.direct_reads``).
     Given ``cached`` (what :func:`cached_pages` found before the reads began), each run read through the
     page cache is evicted from it once verified, unless some of its pages were cached before (see
-    ``IOConfig.drop_behind``); a file it has no snapshot of is not evicted. With ``checkers``, readers
-    hand the checks of large blocks to checker threads (see ``_checker`` and ``IOConfig.checkers``).
+    ``IOConfig.drop_behind``); a file it has no snapshot of is not evicted. ``direct=None`` reads the
+    runs that would be evicted so, if their blocks are large (see ``_checker.wants_checker``), with
+    ``O_DIRECT`` where the file system allows it (see ``_direct``) instead: none of their pages is
+    cached before or after. ``direct=True`` reads every run that is not bound for a GPU or mapped so;
+    ``False``, none. ``direct_threads`` readers read the direct runs. With ``checkers``, buffered readers
+    hand the checks of large blocks to checker threads (see ``_checker`` and ``IOConfig.checkers``), and
+    the direct runs' finisher is pinned like a checker.
 
     Raises:
         CorruptionError: A block's checksum does not match, or a data file is missing or too short; the
@@ -376,7 +339,6 @@ async def read_into(
                     pieces.append(Piece(chunk.offset, r.view, i, 0))
                 else:
                     pieces += split(chunk.offset, r.view, i, block)
-            jobs: list[tuple[str, Run]] = []
             for pieces_of in (by_file, to_gpu, mapped):
                 for name, pieces in pieces_of.items():
                     pieces.sort(key=_OFFSET)
@@ -386,7 +348,6 @@ async def read_into(
             for pieces_of in (to_gpu, mapped):  # every file's pieces together, to open and size it
                 for name, pieces in pieces_of.items():
                     by_file.setdefault(name, []).extend(pieces)
-            work.extend(lanes(jobs, threads, lambda job: job[1].end - job[1].offset))
         return reads, copies, keep, by_file, sum(len(r.view) for r in reads)
 
     fds: dict[str, int] = {}
@@ -395,7 +356,9 @@ async def read_into(
     before: dict[str, bytes | None] = {}
     # Per file, the byte ranges of its mapped tensors: never evicted (counted as cached before).
     held: dict[str, list[tuple[int, int]]] = {}
-    work: list[deque[tuple[str, Run]]] = []
+    jobs: list[tuple[str, Run]] = []  # every run, in file order per file
+    work: list[deque[tuple[str, Run]]] = []  # the runs read through the page cache, in readers' lanes
+    pipeline: DirectReads | None = None
     # Per lane, the CPU its reader and checker are pinned to (see checker_cpus); ``None``: no checkers.
     cpus: list[int | None] | None = None
     checksums: list[tuple[int, ...]] = []
@@ -404,6 +367,24 @@ async def read_into(
 
     def corrupt(r: _Read, what: str) -> CorruptionError:
         return chunk_error(directory, manifest, r.tensor, r.chunk, what)
+
+    def on_gpu(run: Run) -> bool:
+        return reads[run.pieces[0].item].sink is not None
+
+    def in_map(run: Run) -> bool:
+        return reads[run.pieces[0].item].mapped
+
+    def goes_direct(name: str, run: Run) -> bool:
+        """Whether ``run`` is to be read with ``O_DIRECT``, where its file can be opened so."""
+        if direct is False or on_gpu(run) or in_map(run):
+            return False
+        if direct:
+            return True
+        snapshot = before.get(name)
+        if snapshot is None or not wants_checker(run):
+            return False
+        start, stop = span(run)
+        return uncached(snapshot, start, stop)
 
     def open_files() -> None:
         for name, pieces in by_file.items():
@@ -418,36 +399,40 @@ async def read_into(
             if size < end:
                 short = next(p for p in pieces if p.offset + len(p.view) > size)
                 raise corrupt(reads[short.item], "data file is truncated")
-            dfd = _open_direct(path) if direct else None
-            if dfd is not None:
-                direct_fds[name] = dfd
-                continue
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             if cached is not None:
                 snapshot = cached.get(name)
                 spans = held.get(name)
                 before[name] = kept(snapshot, spans) if snapshot is not None and spans else snapshot
+        wanted = {name for name, run in jobs if goes_direct(name, run)}
+        for name in sorted(wanted):
+            dfd = _open_direct(directory / name)
+            if dfd is not None:
+                direct_fds[name] = dfd
+        rest = [job for job in jobs if job[0] not in direct_fds or not goes_direct(*job)]
+        work.extend(lanes(rest, threads, lambda job: job[1].end - job[1].offset))
+
+    def finish_direct(run: Run, buffer: memoryview, start: int, end: int) -> None:
+        short, bad = copy_checked(run, buffer, start, end, checksums if verify else None)
+        if short:
+            raise corrupt(reads[short[0].item], "data file is truncated")
+        if bad:
+            raise corrupt(reads[bad[0].item], f"checksum mismatch in block {bad[0].block}")
 
     def to_sink(p: Piece) -> tuple[torch.Tensor, int]:
         r = reads[p.item]
         assert r.sink is not None
         return r.sink, p.offset - r.chunk.offset
 
-    def on_gpu(run: Run) -> bool:
-        return reads[run.pieces[0].item].sink is not None
-
-    def in_map(run: Run) -> bool:
-        return reads[run.pieces[0].item].mapped
-
-    def to_checker(name: str, run: Run) -> bool:
-        return verify and name not in direct_fds and not on_gpu(run) and wants_checker(run)
+    def to_checker(run: Run) -> bool:
+        return verify and not on_gpu(run) and wants_checker(run)
 
     def worker(abort: threading.Event) -> None:
         lane = work.pop()
         cpu = cpus[len(work)] if cpus else None  # (the list stays whole: its CPUs are released after)
         checker: AbstractContextManager[Checker | None] = nullcontext()
         # A checker overlaps one run's check with the next run's read: a lane of one such run gains nothing.
-        if cpus is not None and sum(to_checker(name, run) for name, run in lane) > 1:
+        if cpus is not None and sum(to_checker(run) for _, run in lane) > 1:
             checker = Checker(cpu, abort)
         else:
             cpu = None  # the reader checks every run itself, wherever the kernel runs it
@@ -459,7 +444,7 @@ async def read_into(
         """Fail on the first damaged block of ``run``, or evict the verified run (drop-behind)."""
         if bad:
             raise corrupt(reads[bad[0].item], f"checksum mismatch in block {bad[0].block}")
-        if name in before and not in_map(run):  # (only buffered files have a snapshot)
+        if name in before and not in_map(run):  # (only files with a snapshot)
             drop_behind(fds[name], run.offset, run.end, before[name])
 
     def checked(name: str, run: Run) -> None:
@@ -467,11 +452,6 @@ async def read_into(
 
     def read_lane(abort: threading.Event, lane: deque[tuple[str, Run]], check: Checker | None) -> None:
         scratch = memoryview(bytearray(MAX_GAP))
-        spans = (_dio_span(run) for name, run in lane if name in direct_fds and not on_gpu(run))
-        span = max((stop - start for start, stop in spans), default=0)
-        # One per reader, reused for every run of its lane (its mapping goes with the view).
-        bounce = direct_buffer(span)[1] if span else scratch
-        address = address_of(bounce) if span else 0
         longest = max((run.end - run.offset for _, run in lane if on_gpu(run)), default=0)
         device = DeviceReader(longest) if longest else None
         sums = checksums if verify else None
@@ -479,19 +459,16 @@ async def read_into(
             if abort.is_set():
                 raise Aborted
             name, run = lane.popleft()
-            dfd = direct_fds.get(name)
-            handed = check is not None and to_checker(name, run)  # checked by the checker, not here
+            handed = check is not None and to_checker(run)  # checked by the checker, not here
             if in_map(run):  # inside the file: checked when it was mapped, and again when opened
                 if not populate(run.pieces[0].view, run.end - run.offset):  # cut short since: never touch
                     raise corrupt(reads[run.pieces[0].item], "data file is truncated or unreadable")
                 short: list[Piece] = []
                 bad = [] if handed or sums is None else mismatched(run.pieces, sums)
-            elif device is not None and on_gpu(run):  # through the page cache, also with direct reads
+            elif device is not None and on_gpu(run):
                 short, bad = device.read(fds[name], run, to_sink, sums)
-            elif dfd is None:
-                short, bad = read_checked(fds[name], run, scratch, None if handed else sums)
             else:
-                short, bad = read_checked_direct(dfd, run, bounce, address, sums)
+                short, bad = read_checked(fds[name], run, scratch, None if handed else sums)
             if short:
                 raise corrupt(reads[short[0].item], "data file is truncated")
             if check is not None and handed:
@@ -501,6 +478,13 @@ async def read_into(
 
     try:
         await run_sync(open_files, limiter)
+        direct_jobs = [(direct_fds[n], fds[n], r) for n, r in jobs if n in direct_fds and goes_direct(n, r)]
+        if direct_jobs:
+            pipeline = DirectReads(direct_jobs, direct_threads, finish_direct)
+            with checker_cpus(1) if checkers else nullcontext() as finisher_cpu:  # on the loop's thread
+                cpu = finisher_cpu[0] if finisher_cpu else None
+                readers = [partial(pipeline.read, cpu=cpu)] * pipeline.readers
+                await run_each([*readers, partial(pipeline.finish, cpu=cpu)], limiter)
         if work:
             with checker_cpus(len(work)) if checkers else nullcontext() as cpus:  # on the loop's thread
                 await run_workers(worker, len(work), limiter)
@@ -513,6 +497,7 @@ async def read_into(
         # are the per-chunk bookkeeping objects, whose deallocation takes milliseconds for 10^4 tensors.
         with anyio.CancelScope(shield=True):
             await run_sync(
-                lambda: _release(fds, before, direct_fds.values(), copies, keep, reads, by_file), limiter
+                lambda: _release(fds, before, direct_fds.values(), pipeline, copies, keep, reads, by_file),
+                limiter,
             )
     return total

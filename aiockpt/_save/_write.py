@@ -29,10 +29,9 @@ import msgspec
 
 from .._errors import StorageError
 from .._fs import open_direct, start_writeback
-from .._memory import BouncePool
+from .._memory import BOUNCE
 from .._runs import (
     DIRECT_ALIGN,
-    RUN_BYTES,
     Piece,
     Run,
     address_of,
@@ -180,12 +179,6 @@ def _aligned(p: Piece) -> bool:
 # which a write through the page cache copies from all the same.
 _REFUSED = (errno.EINVAL, errno.EFAULT)
 
-
-# Bounce buffers of one run each (a run holds at most RUN_BYTES, or one block if larger: not kept), kept
-# between saves: as many as two writers and the preparer use, and one more.
-BOUNCE = BouncePool(RUN_BYTES, keep=4)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=BOUNCE.forget)
 
 # How long a thread waiting for the other side of the direct pipeline sleeps between looks at ``abort``.
 _POLL = 0.05
