@@ -7,9 +7,11 @@ The write is also measured with the device's writeback started after every chunk
 which keeps the device busy while later chunks are copied into the page cache, and with ``O_DIRECT`` from
 a copy of the state on transparent huge pages (made beforehand, untimed), which copies nothing into the
 page cache: the limit for a writer that owns aligned memory, as aiockpt's staged saves and bounce buffers
-are. Huge pages because the device moves physically contiguous memory faster (each request carries at
-most its queue's ``max_segments`` ranges of memory): 2 GiB took 0.45-0.47 s from one, 0.53-0.58 s from
-the same copy on shared 4 KiB pages, Python's default for anonymous memory.
+are. The read is also measured with ``O_DIRECT`` into that copy: the device's own read speed, with no
+page cache in the way (aiockpt's loads read cold files so, through bounce buffers). Huge pages because
+the device moves physically contiguous memory faster (each request carries at most its queue's
+``max_segments`` ranges of memory): 2 GiB took 0.45-0.47 s from one, 0.53-0.58 s from the same copy on
+shared 4 KiB pages, Python's default for anonymous memory.
 """
 
 from __future__ import annotations
@@ -193,6 +195,37 @@ def direct_write(path: Path, source: Aligned, threads: int) -> float:
     finally:
         os.close(fd)
     fsync_path(path.parent)
+    return time.perf_counter() - start
+
+
+def _pread_direct_all(fd: int, chunks: list[Chunk]) -> None:
+    for offset, buf in chunks:
+        pos, rest = offset, buf
+        while rest:
+            n = os.preadv(fd, [rest], pos)
+            if n == 0 or n % PAGE:  # the end of the file (its last page is short)
+                break
+            pos, rest = pos + n, rest[n:]
+
+
+def direct_read(path: Path, dest: Aligned, threads: int) -> float:
+    """Read ``path`` (as :func:`fsync_write` wrote it) into ``dest`` with ``O_DIRECT``, ``threads`` readers.
+
+    ``dest`` holds the same bytes already (a copy of the same state): its contents do not change. The file
+    is evicted first, like :func:`cold_read`'s (a direct read does not use cached pages anyway).
+
+    Returns:
+        Elapsed seconds of the read.
+    """
+    padded = -(-dest.nbytes // PAGE) * PAGE
+    parts = _split(_chunks([dest.view[:padded]]), threads)
+    drop_cache(path)
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+    try:
+        _run_parts(parts, fd, _pread_direct_all)
+    finally:
+        os.close(fd)
     return time.perf_counter() - start
 
 

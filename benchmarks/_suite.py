@@ -40,6 +40,7 @@ WRITE = "fsync'd write, {} thread(s)"
 WRITE_EARLY = "fsync'd write, writeback started per 16 MiB, {} thread(s)"
 WRITE_DIRECT = "fsync'd write, O_DIRECT from huge-page memory, {} thread(s)"
 READ = "cold read, {} thread(s)"
+READ_DIRECT = "cold read, O_DIRECT into huge-page memory, {} thread(s)"
 AIO_SAVE = "aiockpt.save"
 AIO_SAVE_ASYNC = "aiockpt Checkpointer.save(async_op=True)"
 AIO_SAVE_ASYNC_FIRST = "aiockpt Checkpointer.save(async_op=True), first save (new staging buffers)"
@@ -275,6 +276,14 @@ class Suite:
             m = self._new(label, "limit", MEMCPY, state)
             _limits.memcpy(state, template)  # warm-up: first-touch effects, thread pool start
             m.seconds += [_limits.memcpy(state, template) for _ in range(max(self.repeat, MEMCPY_REPEAT))]
+
+            # And once per round of saves, among them: the async save's staging copies are measured
+            # there, in whatever state the other savers leave the machine (dirty pages being written
+            # back, memory being reclaimed), and held to the best of all these copies.
+            def copy() -> Outcome:
+                return Outcome(_limits.memcpy(state, template))
+
+            saves.append(Case(m, _nothing, sync=copy))
         if "lag" in sel_limits:
             _log(f"{label}: {LAG_IDLE}")
             stats = self.loop.run_until_complete(idle_lag(IDLE_LAG_S))
@@ -343,6 +352,7 @@ class Suite:
 
                 m = self._new(label, "limit", WRITE_EARLY.format(n), state)
                 saves.append(Case(m, os.sync, sync=write_early))
+            aligned: _limits.Aligned | None = None
             if _limits.direct_supported(self.scratch):
                 aligned = _limits.Aligned(src)  # untimed; unmapped when this state's rounds end
                 self.unmaps.append(aligned.close)
@@ -361,6 +371,14 @@ class Suite:
 
                     m = self._new(label, "limit", READ.format(n), state)
                     loads.append(Case(m, _nothing, sync=read, requires=writer))
+                if aligned is not None:
+                    for n in IO_THREADS:
+
+                        def read_direct(n: int = n, into: _limits.Aligned = aligned) -> Outcome:
+                            return Outcome(_limits.direct_read(data, into, n))
+
+                        m = self._new(label, "limit", READ_DIRECT.format(n), state)
+                        loads.append(Case(m, _nothing, sync=read_direct, requires=writer))
         if "lag" in sel:
             lag_file = self.scratch / f"{label}-lag-write.bin"
             paths.append(lag_file)

@@ -1,12 +1,14 @@
-"""A cold load with and without ``IOConfig.drop_behind``, beside the plain cold read, on idle or busy memory.
+"""Cold loads: buffered with and without ``drop_behind``, and direct, beside cold reads; idle or busy memory.
 
     python -m benchmarks.drop_behind [--size-gib 2] [--repeat 6] [--gap 5] [--fill-gib 0] [--dir ./bench-out]
 
 State A (transformer-like, ``--size-gib``) is saved once with aiockpt, and its bytes are written once more
 to a plain file for the machine's cold read. Then, ``--repeat`` rounds, each case once per round in an
-order rotated each round: the 1-thread cold read of the plain file (the suite's limit), and the in-place
-``aiockpt.load`` with ``drop_behind=False`` and ``True``. Before each case both files are evicted from
-the page cache and the process sleeps ``--gap`` seconds, as a job does between loading checkpoints: on
+order rotated each round: the 1-thread cold reads of the plain file (the suite's limits: buffered into
+the template, and ``O_DIRECT`` into a copy of the state on huge pages), and the in-place ``aiockpt.load``
+through the page cache (``direct_reads=False``) with ``drop_behind=False`` and ``True``, and by default
+(the runs that ``drop_behind`` would evict read with ``O_DIRECT``). Before each case both files are
+evicted from the page cache and the process sleeps ``--gap`` seconds, as a job does between loads: on
 a VM that reports free memory to its host, the pages a read then allocates for the page cache are
 touched for the first time again. ``--fill-gib`` first fills the page cache with that many GiB of other
 files (the full suite's condition, where reads recycle pages the kernel reclaims from other files).
@@ -31,8 +33,10 @@ from ._lag import LagMonitor
 from ._state import build_transformer_state, byte_views, make_template, state_nbytes, touch_pages
 
 COLD = "cold read, 1 thread (limit)"
-KEEP = "aiockpt.load, drop_behind=False"
-DROP = "aiockpt.load, drop_behind=True (default)"
+COLD_DIRECT = "cold read, O_DIRECT into huge-page memory, 1 thread (limit)"
+KEEP = "aiockpt.load, direct_reads=False, drop_behind=False"
+DROP = "aiockpt.load, direct_reads=False, drop_behind=True"
+DIRECT = "aiockpt.load (default: direct reads of cold runs)"
 _FILL_FILE = 1 << 30
 
 
@@ -57,6 +61,7 @@ async def run(size_gib: float, repeat: int, gap: float, fill_gib: int, scratch: 
     _limits.fsync_write(plain, byte_views(state), 1)
     nbytes = state_nbytes(state)
     template = make_template(state)
+    aligned = _limits.Aligned(byte_views(state)) if _limits.direct_supported(scratch) else None
     del state
     touch_pages(template)
     if fill_gib:
@@ -67,12 +72,21 @@ async def run(size_gib: float, repeat: int, gap: float, fill_gib: int, scratch: 
     def cold() -> Awaitable[object]:
         return asyncio.to_thread(_limits.cold_read, plain, views, 1)
 
-    def load(drop: bool) -> Callable[[], Awaitable[object]]:
-        io = aiockpt.IOConfig(drop_behind=drop)
+    def cold_direct(into: _limits.Aligned) -> Callable[[], Awaitable[object]]:
+        return lambda: asyncio.to_thread(_limits.direct_read, plain, into, 1)
+
+    def load(io: aiockpt.IOConfig) -> Callable[[], Awaitable[object]]:
         return lambda: aiockpt.load(target, ckpt, io=io)
 
     Case = tuple[str, Callable[[], Awaitable[object]]]
-    cases: list[Case] = [(COLD, cold), (KEEP, load(False)), (DROP, load(True))]
+    cases: list[Case] = [
+        (COLD, cold),
+        (KEEP, load(aiockpt.IOConfig(direct_reads=False, drop_behind=False))),
+        (DROP, load(aiockpt.IOConfig(direct_reads=False, drop_behind=True))),
+        (DIRECT, load(aiockpt.IOConfig())),
+    ]
+    if aligned is not None:  # where the file system refuses O_DIRECT, the default load is buffered too
+        cases.insert(1, (COLD_DIRECT, cold_direct(aligned)))
     rows: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, _ in cases}
     for r in range(repeat):
         for name, fn in cases[r % len(cases) :] + cases[: r % len(cases)]:
