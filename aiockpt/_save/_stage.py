@@ -34,7 +34,7 @@ _SMALL = 64 * 1024
 _EMPTY = memoryview(b"")
 # Large tensors are copied in pieces of this size, spread over at most _COPY_THREADS threads in lanes of
 # about equal bytes: a few threads already reach the memory bandwidth of most machines.
-_PIECE = 8 << 20
+_PIECE = 32 << 20
 _COPY_THREADS = 4
 # Small GPU tensors are concatenated on their device in groups of at most this many bytes, each group
 # copied to the host in one (see _copy_gathered).
@@ -155,7 +155,7 @@ def _over_threads(pieces: Sequence[tuple[Callable[[], object], int]], threads: i
     """Run each ``(call, nbytes)`` of ``pieces``, in order, in ``threads`` lanes of equal bytes. Blocking.
 
     Split by bytes, not by count: a state's tensors end in pieces shorter than ``_PIECE``, and lanes of
-    equal counts were uneven enough that 2 GiB took 0.108-0.158 s over two threads against 0.068-0.076 s
+    equal counts were uneven enough that 2 GiB took 0.108-0.158 s over two threads against 0.071-0.076 s
     split by bytes (and 0.064-0.090 s for ``Tensor.copy_`` of the same tensors, interleaved, 6 rounds).
     """
     parts = lanes(list(pieces), max(1, threads), _nbytes)
