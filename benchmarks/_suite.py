@@ -276,14 +276,6 @@ class Suite:
             m = self._new(label, "limit", MEMCPY, state)
             _limits.memcpy(state, template)  # warm-up: first-touch effects, thread pool start
             m.seconds += [_limits.memcpy(state, template) for _ in range(max(self.repeat, MEMCPY_REPEAT))]
-
-            # And once per round of saves, among them: the async save's staging copies are measured
-            # there, in whatever state the other savers leave the machine (dirty pages being written
-            # back, memory being reclaimed), and held to the best of all these copies.
-            def copy() -> Outcome:
-                return Outcome(_limits.memcpy(state, template))
-
-            saves.append(Case(m, _nothing, sync=copy))
         if "lag" in sel_limits:
             _log(f"{label}: {LAG_IDLE}")
             stats = self.loop.run_until_complete(idle_lag(IDLE_LAG_S))
