@@ -8,8 +8,8 @@ to GPU targets are enqueued on the caller's current stream of their device (see 
 the caller's earlier work on them, and done when the load returns. Runs read with ``O_DIRECT`` (by
 default those of large blocks that nothing of is cached, see ``IOConfig.direct_reads``) go through
 bounce buffers instead: read by readers of their own, verified and copied into place by a finisher
-(see ``_direct``); runs bound for GPU targets are read through the page cache. Fresh tensors that are views of
-their data file's mapping (``aiockpt.read``, see ``_mapped``) are not read into: their runs are
+(see ``_direct``); runs bound for GPU targets are read through the page cache. Fresh tensors that are
+views of their data file's mapping (``aiockpt.read``, see ``_mapped``) are not read into: their runs are
 populated from the file and verified in place, and never evicted (their pages are the tensors' memory).
 """
 
@@ -357,6 +357,7 @@ async def read_into(
     # Per file, the byte ranges of its mapped tensors: never evicted (counted as cached before).
     held: dict[str, list[tuple[int, int]]] = {}
     jobs: list[tuple[str, Run]] = []  # every run, in file order per file
+    direct_jobs: list[tuple[int, int, Run]] = []  # the runs read with O_DIRECT: (direct fd, fd, run)
     work: list[deque[tuple[str, Run]]] = []  # the runs read through the page cache, in readers' lanes
     pipeline: DirectReads | None = None
     # Per lane, the CPU its reader and checker are pinned to (see checker_cpus); ``None``: no checkers.
@@ -404,12 +405,17 @@ async def read_into(
                 snapshot = cached.get(name)
                 spans = held.get(name)
                 before[name] = kept(snapshot, spans) if snapshot is not None and spans else snapshot
-        wanted = {name for name, run in jobs if goes_direct(name, run)}
-        for name in sorted(wanted):
+        wanted = [goes_direct(name, run) for name, run in jobs]
+        for name in sorted({name for (name, _), want in zip(jobs, wanted, strict=True) if want}):
             dfd = _open_direct(directory / name)
             if dfd is not None:
                 direct_fds[name] = dfd
-        rest = [job for job in jobs if job[0] not in direct_fds or not goes_direct(*job)]
+        rest: list[tuple[str, Run]] = []
+        for (name, run), want in zip(jobs, wanted, strict=True):
+            if want and name in direct_fds:
+                direct_jobs.append((direct_fds[name], fds[name], run))
+            else:
+                rest.append((name, run))
         work.extend(lanes(rest, threads, lambda job: job[1].end - job[1].offset))
 
     def finish_direct(run: Run, buffer: memoryview, start: int, end: int) -> None:
@@ -478,7 +484,6 @@ async def read_into(
 
     try:
         await run_sync(open_files, limiter)
-        direct_jobs = [(direct_fds[n], fds[n], r) for n, r in jobs if n in direct_fds and goes_direct(n, r)]
         if direct_jobs:
             pipeline = DirectReads(direct_jobs, direct_threads, finish_direct)
             with checker_cpus(1) if checkers else nullcontext() as finisher_cpu:  # on the loop's thread
