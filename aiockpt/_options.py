@@ -60,7 +60,7 @@ class IOConfig:
             page-cache pages to allocate (on a VM that hands idle memory back to its host, each new one is
             first-touched again), fill and later evict. ``None`` (the default) reads so the runs that a
             buffered load would evict again (see ``drop_behind``): those of large blocks (64 KiB or more on
-            average) whose pages none is cached, of files that accept ``O_DIRECT``; the rest, and every
+            average) none of whose pages is cached, of files that accept ``O_DIRECT``; the rest, and every
             run where ``drop_behind`` is off (several ranks on one machine may share pages), goes through
             the page cache. On a 2-vCPU VM, cold in-place 2 GiB loads took 0.60-0.64 s at best this way
             against 0.70-0.82 s buffered (old and new code alternating), where a plain ``O_DIRECT`` read

@@ -363,9 +363,8 @@ async def test_a_lane_of_one_large_run_is_checked_by_its_reader(
 ) -> None:
     saved = _state(n=2)  # 6 MiB: one run
     await aiockpt.save(saved, ckpt_path, io=IO)
-    unmapped = IOConfig(
-        threads=1, checksum_block=MIB, map_reads=False, direct_reads=False
-    )  # read, not mapped
+    # Read (not mapped), through the page cache.
+    unmapped = IOConfig(threads=1, checksum_block=MIB, map_reads=False, direct_reads=False)
     assert_tree_equal(await aiockpt.read(ckpt_path, io=unmapped), saved)
     assert len(spied["read"]) == 1
     assert [name for name, _ in spied["check"]] == [spied["read"][0][0]]  # the reader's own thread

@@ -19,6 +19,7 @@ from aiockpt import CorruptionError, IOConfig, StorageError, _memory
 from aiockpt._load import _direct
 from aiockpt._load._manifest import read_manifest
 from aiockpt._pagecache import resident
+from aiockpt._runs import RUN_BYTES, Run
 from aiockpt._tree import render
 
 pytestmark = pytest.mark.timeout(60)
@@ -393,3 +394,37 @@ async def test_a_damaged_block_read_directly_by_default_names_key_and_file(ckpt_
     assert info.value.key == "other"
     assert info.value.file is not None
     assert Path(info.value.file).name == DATA
+
+
+async def test_a_load_reads_into_kept_bounce_buffers(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch, direct_spans: list[tuple[int, int]]
+) -> None:
+    """Direct writes and direct reads share one pool: a run widened to page alignment fits its buffers."""
+    state = large_state()
+    await aiockpt.save(state, ckpt_path, io=BLOCKS)
+    _cold(ckpt_path)
+    _memory.BOUNCE.clear()
+    kept = [_memory.BOUNCE.take(1) for _ in range(_memory.BOUNCE.keep)]
+    for buffer in kept:
+        _memory.BOUNCE.give(buffer)  # as a save gives its buffers back
+    made: list[int] = []
+    real = _memory.direct_buffer
+
+    def spy(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+        made.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(_memory, "direct_buffer", spy)
+    target = zeros_like_tree(state)
+    await aiockpt.load(target, ckpt_path)
+    assert_tree_equal(target, state)
+    assert direct_spans, "the load should have read directly"
+    assert made == [], "the load should have taken the kept buffers, not made new ones"
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4095, 4097, 123_457])
+def test_the_longest_run_widened_to_page_alignment_fits_a_pooled_bounce_buffer(offset: int) -> None:
+    start, stop = _direct.span(Run(offset=offset, end=offset + RUN_BYTES))
+    assert start <= offset
+    assert stop >= offset + RUN_BYTES
+    assert stop - start <= _memory.BOUNCE.size
