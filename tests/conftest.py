@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -256,6 +258,30 @@ def train_step(
         sched.step()
 
 
+# --- Cancellation ---------------------------------------------------------------------------------------
+
+
+async def cancelled_once(started: threading.Event, run: Callable[[], Awaitable[object]]) -> bool:
+    """Await ``run()``, cancelled once ``started`` is set; return whether it was cancelled before it returned.
+
+    However long ``run`` takes to get there (a fixed delay was sometimes too short on a loaded CI machine),
+    within 30 s.
+    """
+    finished = False
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+
+            async def cancel_when_started() -> None:
+                await anyio.to_thread.run_sync(started.wait, 30, abandon_on_cancel=True)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(cancel_when_started)
+            await run()
+            finished = True
+            tg.cancel_scope.cancel()
+    return not finished
+
+
 # --- Memory ---------------------------------------------------------------------------------------------
 
 
@@ -281,6 +307,30 @@ def mapping_at(address: int) -> tuple[int, str, list[str]] | None:
 
 
 # --- File system ----------------------------------------------------------------------------------------
+
+
+def evict(path: Path) -> None:
+    """Write ``path``'s dirty pages to the device and evict all its pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_pages(path: Path) -> bytes:
+    """One byte per page of ``path``, nonzero where the page cache holds it (skips where unknown)."""
+    from aiockpt._pagecache import resident
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = resident(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if pages is None:
+        pytest.skip("which pages are cached cannot be told here")
+    return pages
 
 
 def dir_tree(root: Path) -> set[str]:

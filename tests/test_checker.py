@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from conftest import assert_tree_equal, file_size, flip_byte
+from conftest import assert_tree_equal, cancelled_once, file_size, flip_byte
 
 import aiockpt
 from aiockpt import CorruptionError, IOConfig
@@ -432,20 +432,7 @@ async def test_a_load_cancelled_while_its_checker_works_leaves_nothing_behind(
         return mismatched(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_read, "mismatched", slow)
-    loaded = False
-    # Cancelled once the first check has begun, however long the load took to reach it (a fixed 50 ms
-    # was sometimes too short on a loaded CI machine).
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-
-            async def cancel_when_checking() -> None:
-                await anyio.to_thread.run_sync(checking.wait, 30, abandon_on_cancel=True)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(cancel_when_checking)
-            await aiockpt.load(_zeros_like(saved), ckpt_path, io=IO)
-            loaded = True
-    assert not loaded
+    assert await cancelled_once(checking, lambda: aiockpt.load(_zeros_like(saved), ckpt_path, io=IO))
     assert 0 < checks < 6  # cancelled mid-load (6 runs of 8 MiB), not after it
     # Usable again at once.
     monkeypatch.setattr(_read, "mismatched", mismatched)

@@ -12,13 +12,12 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from conftest import assert_tree_equal, flip_byte
+from conftest import assert_tree_equal, cancelled_once, evict, flip_byte, resident_pages
 
 import aiockpt
 from aiockpt import CorruptionError, IOConfig, StorageError, _memory
 from aiockpt._load import _direct
 from aiockpt._load._manifest import read_manifest
-from aiockpt._pagecache import resident
 from aiockpt._runs import RUN_BYTES, Run
 from aiockpt._tree import render
 
@@ -127,32 +126,13 @@ async def test_unflushed_writes_are_seen_by_direct_reads(ckpt_path: Path) -> Non
 # -- The default (direct_reads=None): runs of large blocks that nothing of is cached go direct -----------
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _resident(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        pages = resident(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-    assert pages is not None
-    return pages
-
-
 def _cold(ckpt: Path) -> None:
     """Evict the checkpoint's data file; skip where its pages cannot be evicted (tmpfs)."""
     data = ckpt / DATA
     if not hasattr(os, "posix_fadvise"):
         pytest.skip("this platform has no posix_fadvise")
-    _evict(data)
-    if any(_resident(data)):
+    evict(data)
+    if any(resident_pages(data)):
         pytest.skip("the temporary directory's file system keeps its pages cached (tmpfs)")
 
 
@@ -216,7 +196,7 @@ async def test_a_default_load_reads_cold_large_blocks_directly_and_small_ones_bu
     assert _within(_range_of(ckpt_path, "big2"), direct_spans)
     for i in (0, 20, 39):  # packed small tensors: read through the page cache, then evicted
         assert not _touches(_range_of(ckpt_path, f"small/s{i}"), direct_spans)
-    assert not any(_resident(ckpt_path / DATA)), "a cold load must leave nothing cached"
+    assert not any(resident_pages(ckpt_path / DATA)), "a cold load must leave nothing cached"
 
 
 async def test_cached_runs_are_read_through_the_page_cache_and_stay_cached(
@@ -233,7 +213,7 @@ async def test_cached_runs_are_read_through_the_page_cache_and_stay_cached(
         os.pread(fd, 4096, middle)
     finally:
         os.close(fd)
-    before = _resident(ckpt_path / DATA)
+    before = resident_pages(ckpt_path / DATA)
     assert before[middle // 4096]
     assert sum(map(bool, before)) == 1
     target = zeros_like_tree(state)
@@ -241,7 +221,7 @@ async def test_cached_runs_are_read_through_the_page_cache_and_stay_cached(
     assert_tree_equal(target, state)
     assert not _touches(big, direct_spans)  # its run was read through the page cache
     assert _within(_range_of(ckpt_path, "big2"), direct_spans)
-    assert _resident(ckpt_path / DATA)[middle // 4096], "a page cached before the load must stay cached"
+    assert resident_pages(ckpt_path / DATA)[middle // 4096], "a page cached before the load must stay cached"
 
 
 @pytest.mark.parametrize(
@@ -360,18 +340,8 @@ async def test_a_load_cancelled_during_direct_reads_leaves_nothing_behind(
         return preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", slow)
-    loaded = False
-    with anyio.fail_after(30):
-        async with anyio.create_task_group() as tg:
-
-            async def cancel_when_reading() -> None:
-                await anyio.to_thread.run_sync(reading.wait, 30, abandon_on_cancel=True)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(cancel_when_reading)
-            await aiockpt.load({k: torch.zeros_like(v) for k, v in state.items()}, ckpt_path)
-            loaded = True
-    assert not loaded
+    zeros: dict[str, object] = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert await cancelled_once(reading, lambda: aiockpt.load(zeros, ckpt_path))
     assert 0 < calls < 4  # stopped mid-load (three runs of 8 MiB), not after it
     assert outstanding == [0]
     if fds is not None:

@@ -15,12 +15,11 @@ import anyio
 import crc32c
 import pytest
 import torch
-from conftest import assert_tree_equal, mapping_at
+from conftest import assert_tree_equal, evict, mapping_at, resident_pages
 
 import aiockpt
 from aiockpt import IOConfig, StorageError, _memory
 from aiockpt._memory import HUGE_PAGE, PAGE, BouncePool, StagingPool, byte_view, direct_buffer
-from aiockpt._pagecache import resident
 from aiockpt._runs import DIRECT_ALIGN, Piece, address_of, direct_parts, group, write_direct
 from aiockpt._save._write import Checksums, Direct
 from aiockpt._threads import Aborted
@@ -61,13 +60,7 @@ def state() -> dict[str, object]:
 
 def _cached_pages(path: Path) -> int:
     """How many of ``path``'s pages the page cache holds (skips where that cannot be told)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        pages = resident(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-    if pages is None:
-        pytest.skip("which pages are cached cannot be told here")
+    pages = resident_pages(path)
     return len(pages) - pages.count(0)
 
 
@@ -77,12 +70,7 @@ def evictable(direct_dir: Path) -> Path:
     its files are their pages: what bypassed the page cache cannot be told)."""
     probe = direct_dir / "evict-probe"
     probe.write_bytes(b"x" * 4 * PAGE)
-    fd = os.open(probe, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict(probe)
     if _cached_pages(probe):
         pytest.skip("the temporary directory's file system keeps its pages cached (tmpfs)")
     return direct_dir

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_tree_equal
+from conftest import assert_tree_equal, evict
 
 import aiockpt
 from aiockpt import IOConfig, _pagecache
@@ -32,12 +32,6 @@ def _opened(path: Path) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
-
-
-def _evict(path: Path) -> None:
-    with _opened(path) as fd:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _resident(path: Path) -> bytes:
@@ -79,7 +73,7 @@ def _probe(tmp_path: Path) -> None:
     with _opened(probe) as fd:
         if resident(fd, 4 * PAGE) is None:
             pytest.skip("mincore cannot tell which pages are cached here")
-    _evict(probe)
+    evict(probe)
     if _count(_resident(probe)):
         pytest.skip("the temporary directory's file system keeps its pages cached (tmpfs)")
     _read_pages(probe, 1, 2)
@@ -100,7 +94,7 @@ def state() -> dict[str, object]:
 def test_resident_tells_which_pages_are_cached(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(os.urandom(8 * PAGE + 100))
-    _evict(path)
+    evict(path)
     assert _resident(path) == bytes(9)
     _read_pages(path, 2, 5)
     assert _resident(path) == b"\0\0\1\1\1\0\0\0\0"
@@ -118,7 +112,7 @@ def test_resident_counts_stretches_then_looks_up_mixed_ones(
         monkeypatch.setattr(_pagecache, "_SYSCALL", None)  # a kernel without cachestat
     path = tmp_path / "f"
     path.write_bytes(os.urandom(12 * PAGE + 100))
-    _evict(path)
+    evict(path)
     _read_pages(path, 0, 4)  # a whole stretch
     _read_pages(path, 9, 11)  # part of one
     _read_pages(path, 12, 13)  # the last, short one
@@ -142,7 +136,7 @@ def test_resident_of_a_cold_or_wholly_cached_file_looks_up_no_page(
         assert _pagecache._CALLS is not None
         monkeypatch.setattr(_pagecache, "_CALLS", (refuse, *_pagecache._CALLS[1:]))
         assert resident(fd, 9 * PAGE) == b"\1" * 9
-        _evict(path)
+        evict(path)
         assert resident(fd, 9 * PAGE) == bytes(9)
 
 
@@ -150,7 +144,7 @@ def _cached_file(tmp_path: Path, pages: int) -> Path:
     """A file of ``pages`` pages, all of them cached (read back after they were evicted)."""
     path = tmp_path / "f"
     path.write_bytes(os.urandom(pages * PAGE))
-    _evict(path)
+    evict(path)
     _read_pages(path, 0, pages)
     return path
 
@@ -228,7 +222,7 @@ async def test_a_cold_load_leaves_none_of_the_data_in_the_page_cache(fresh: bool
     saved = state()
     await aiockpt.save(saved, ckpt_path, io=IO)
     data = ckpt_path / DATA
-    _evict(data)
+    evict(data)
     if fresh:
         assert_tree_equal(await aiockpt.read(ckpt_path, io=UNMAPPED), saved)
     else:
@@ -247,7 +241,7 @@ async def test_a_cold_load_leaves_none_of_the_data_in_the_page_cache(fresh: bool
 async def test_verify_reads_everything_and_keeps_only_what_was_cached(drop: bool, ckpt_path: Path) -> None:
     await aiockpt.save(state(), ckpt_path, io=IO)
     data = ckpt_path / DATA
-    _evict(data)
+    evict(data)
     report = await aiockpt.verify(ckpt_path, io=IOConfig(threads=2, drop_behind=drop))
     assert report.ok
     pages = _resident(data)
@@ -261,7 +255,7 @@ async def test_without_drop_behind_a_load_leaves_its_data_cached(ckpt_path: Path
     saved = state()
     await aiockpt.save(saved, ckpt_path, io=IO)
     data = ckpt_path / DATA
-    _evict(data)
+    evict(data)
     assert_tree_equal(await aiockpt.read(ckpt_path, io=IOConfig(threads=2, drop_behind=False)), saved)
     pages = _resident(data)
     assert _count(pages) == len(pages)
@@ -277,7 +271,7 @@ async def test_a_load_keeps_what_was_cached_before_it(ckpt_path: Path) -> None:
     pages = _resident(data)
     assert _count(pages) == len(pages)
     # Half cached (another reader got that far): that half stays, the rest goes.
-    _evict(data)
+    evict(data)
     half = len(pages) // 2
     _read_pages(data, 0, half)
     assert_tree_equal(await aiockpt.read(ckpt_path, io=UNMAPPED), saved)
@@ -291,7 +285,7 @@ async def test_a_mapped_read_keeps_the_pages_of_its_mapped_tensors_only(ckpt_pat
     saved = state()
     await aiockpt.save(saved, ckpt_path, io=IO)
     data = ckpt_path / DATA
-    _evict(data)
+    evict(data)
     tree = await aiockpt.read(ckpt_path, io=IO)
     assert_tree_equal(tree, saved)
     pages = _resident(data)
