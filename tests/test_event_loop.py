@@ -117,3 +117,45 @@ def test_first_calls_import_nothing_on_the_event_loop(tmp_path: Path) -> None:
         check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+async def test_a_loads_runs_are_freed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load's per-run bookkeeping (10^4 pieces for 10^4 small tensors) goes with its worker threads.
+
+    Freed with the load's frame instead, on the event loop's thread, it was a 1 ms stall per load of
+    20,000 tensors (loop-lag p99 2.2-2.3 ms against 1.2-1.3 ms).
+    """
+    from conftest import assert_tree_equal, evict
+
+    from aiockpt import _runs
+    from aiockpt._load import _read
+    from aiockpt._runs import Run
+
+    loop_thread = threading.get_ident()
+    freed: list[int] = []
+
+    class Tracked(Run):
+        def __del__(self) -> None:
+            freed.append(threading.get_ident())
+
+    def tracked(*args: Any, **kwargs: Any) -> list[Run]:
+        return [
+            Tracked(offset=r.offset, pieces=r.pieces, end=r.end, first=r.first, direct=r.direct)
+            for r in _runs.group(*args, **kwargs)
+        ]
+
+    monkeypatch.setattr(_read, "group", tracked)
+    # Small tensors (read through the page cache) and large ones (with O_DIRECT where the file is cold).
+    tensors = {f"s{i}": torch.randn(64) for i in range(600)}
+    tensors |= {f"w{i}": torch.randn(1 << 18) for i in range(3)}
+    state: dict[str, object] = dict(tensors)
+    await aiockpt.save(state, tmp_path / "c")
+    for data in (tmp_path / "c").glob("data-*"):
+        evict(data)
+    target: dict[str, object] = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    await aiockpt.load(target, tmp_path / "c")
+    assert_tree_equal(target, state)
+    assert freed, "the load's runs should have been freed by now"
+    assert loop_thread not in freed, f"{freed.count(loop_thread)} of {len(freed)} runs freed on the loop"

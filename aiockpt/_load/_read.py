@@ -417,6 +417,10 @@ async def read_into(
             else:
                 rest.append((name, run))
         work.extend(lanes(rest, threads, lambda job: job[1].end - job[1].offset))
+        # From here the runs live in the lanes and the direct jobs only, and go with the threads that take
+        # them. Still listed here, 10^4 pieces would be freed with this frame on the event loop's thread:
+        # a 20,000-tensor load's loop-lag p99 was 2.2-2.3 ms so, against 1.2-1.3 ms.
+        jobs.clear()
 
     def finish_direct(run: Run, buffer: memoryview, start: int, end: int) -> None:
         short, bad = copy_checked(run, buffer, start, end, checksums if verify else None)
@@ -486,6 +490,7 @@ async def read_into(
         await run_sync(open_files, limiter)
         if direct_jobs:
             pipeline = DirectReads(direct_jobs, direct_threads, finish_direct)
+            direct_jobs.clear()  # (the pipeline has them: see jobs.clear above)
             with checker_cpus(1) if checkers else nullcontext() as finisher_cpu:  # on the loop's thread
                 cpu = finisher_cpu[0] if finisher_cpu else None
                 readers = [partial(pipeline.read, cpu=cpu)] * pipeline.readers
