@@ -186,7 +186,11 @@ class DirectReads:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Give the bounce buffers back to the pool (blocking); call once every thread has returned."""
+        """Give the bounce buffers back to the pool (blocking); call once every thread has returned.
+
+        Runs not read (the load failed or was cancelled) are let go of here too, in the calling thread.
+        """
+        self._jobs.clear()
         self._done.clear()
         self._free.clear()
         taken, self._taken = self._taken, []
