@@ -177,6 +177,40 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=BOUNCE.forget)
 
 
+class BounceSlots:
+    """At most ``slots`` buffers of :data:`BOUNCE`, each ``nbytes`` long or more, for one file's direct I/O.
+
+    The buffers taken are reused by their user until :meth:`close` gives them all back to the pool. Not
+    thread-safe: users call it under a lock of their own, on whose condition they wait for a buffer.
+    """
+
+    def __init__(self, nbytes: int, slots: int) -> None:
+        self._nbytes = nbytes
+        self._slots = max(1, slots)
+        self._taken: list[tuple[mmap.mmap, memoryview]] = []
+        self._free: list[memoryview] = []
+
+    def take(self) -> memoryview | None:
+        """A buffer given back, else a new one while fewer than ``slots`` are taken, else ``None``."""
+        if self._free:
+            return self._free.pop()
+        if len(self._taken) >= self._slots:
+            return None
+        self._taken.append(BOUNCE.take(self._nbytes))
+        return self._taken[-1][1]
+
+    def give(self, view: memoryview) -> None:
+        """Take back a buffer from :meth:`take`, for the next :meth:`take`."""
+        self._free.append(view)
+
+    def close(self) -> None:
+        """Give every buffer back to :data:`BOUNCE`; none may be in use any more. Blocking."""
+        self._free.clear()
+        taken, self._taken = self._taken, []
+        for buffer in taken:
+            BOUNCE.give(buffer)
+
+
 def _unmap(buffer: tuple[mmap.mmap, memoryview]) -> None:
     raw, view = buffer
     view.release()

@@ -19,7 +19,7 @@ from conftest import assert_tree_equal, evict, mapping_at, resident_pages
 
 import aiockpt
 from aiockpt import IOConfig, StorageError, _memory
-from aiockpt._memory import HUGE_PAGE, PAGE, BouncePool, StagingPool, byte_view, direct_buffer
+from aiockpt._memory import HUGE_PAGE, PAGE, BouncePool, BounceSlots, StagingPool, byte_view, direct_buffer
 from aiockpt._runs import DIRECT_ALIGN, Piece, address_of, direct_parts, group, write_direct
 from aiockpt._save._write import Checksums, Direct
 from aiockpt._threads import Aborted
@@ -294,6 +294,22 @@ def test_the_bounce_pool_keeps_a_few_buffers_of_its_size_only() -> None:
     assert pool.take(1 << 20)[0] in (taken[0][0], taken[1][0])
     pool.clear()
     assert taken[0][0].closed or taken[1][0].closed
+
+
+def test_bounce_slots_hand_out_at_most_their_count_reuse_given_ones_and_close_into_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = BouncePool(size=1 << 20, keep=4)
+    monkeypatch.setattr(_memory, "BOUNCE", pool)
+    slots = BounceSlots(1000, slots=2)
+    first, second = slots.take(), slots.take()
+    assert first is not None
+    assert second is not None
+    assert slots.take() is None  # two taken: the caller waits for one to be given back
+    slots.give(first)
+    assert slots.take() is first
+    slots.close()
+    assert len(pool._free) == 2  # both back in the shared pool, kept for the next user
 
 
 # -- saves -------------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import mmap
 import os
 import threading
 from collections import deque
@@ -25,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import crc32c
 
-from .._memory import BOUNCE
+from .._memory import BounceSlots
 from .._runs import DIRECT_ALIGN, Piece, Run, address_of
 from .._threads import Aborted
 from ._checker import pinned
@@ -119,10 +118,8 @@ class DirectReads:
         self._jobs = deque(jobs)
         self._count = len(jobs)
         self._finish = finish
-        self._slots = self.readers + 2
-        self._size = max((stop - start for start, stop in (span(run) for _, _, run in jobs)), default=0)
-        self._taken: list[tuple[mmap.mmap, memoryview]] = []  # from BOUNCE, given back on close
-        self._free: list[memoryview] = []
+        size = max((stop - start for start, stop in (span(run) for _, _, run in jobs)), default=0)
+        self._buffers = BounceSlots(size, self.readers + 2)
         self._done: deque[_Done] = deque()
         self._cond = threading.Condition()
 
@@ -144,7 +141,7 @@ class DirectReads:
                 if not self._jobs:
                     return
                 direct_fd, fd, run = self._jobs.popleft()
-            buffer = self._take(abort)  # (on failure, in ``_taken``: given back by close)
+            buffer = self._take(abort)  # (on failure, still taken: given back by close)
             start, stop = span(run)
             got = _read_span(direct_fd, fd, buffer[: stop - start], start)
             with self._cond:
@@ -173,18 +170,15 @@ class DirectReads:
 
     def _take(self, abort: threading.Event) -> memoryview:
         with self._cond:
-            while not self._free and len(self._taken) >= self._slots:
+            while (buffer := self._buffers.take()) is None:
                 if abort.is_set():
                     raise Aborted
                 self._cond.wait(_POLL)
-            if self._free:
-                return self._free.pop()
-            self._taken.append(BOUNCE.take(self._size))
-            return self._taken[-1][1]
+            return buffer
 
     def _give(self, buffer: memoryview) -> None:
         with self._cond:
-            self._free.append(buffer)
+            self._buffers.give(buffer)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -194,7 +188,4 @@ class DirectReads:
         """
         self._jobs.clear()
         self._done.clear()
-        self._free.clear()
-        taken, self._taken = self._taken, []
-        for buffer in taken:
-            BOUNCE.give(buffer)
+        self._buffers.close()

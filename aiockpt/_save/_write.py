@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import itertools
-import mmap
 import os
 import threading
 from collections import deque
@@ -29,7 +28,7 @@ import msgspec
 
 from .._errors import StorageError
 from .._fs import open_direct, start_writeback
-from .._memory import BOUNCE
+from .._memory import BounceSlots
 from .._runs import (
     DIRECT_ALIGN,
     Piece,
@@ -206,10 +205,7 @@ class Direct:
         self._fd = -1
         self.usable = False
         self._runs = [r for r in runs if r.direct]
-        self._slots = max(1, slots)
-        self._size = max((r.end - r.offset for r in self._runs), default=0)
-        self._taken: list[tuple[mmap.mmap, memoryview]] = []  # from BOUNCE, given back on close
-        self._free: list[memoryview] = []
+        self._slots = BounceSlots(max((r.end - r.offset for r in self._runs), default=0), slots)
         self._ready: dict[int, _Prepared] = {}  # by run.first
         self._done = False  # the preparer stopped: a run not in _ready is not coming
         self._cond = threading.Condition()
@@ -256,16 +252,13 @@ class Direct:
         write through the page cache without giving theirs back: the wait must not outlast ``usable``.
         """
         with self._cond:
-            while not self._free and len(self._taken) >= self._slots:
+            while (slot := self._slots.take()) is None:
                 if abort.is_set():
                     raise Aborted
                 if not self.usable:
                     return None
                 self._cond.wait(_POLL)
-            if self._free:
-                return self._free.pop()
-            self._taken.append(BOUNCE.take(self._size))
-            return self._taken[-1][1]
+            return slot
 
     def _prepared(self, run: Run, abort: threading.Event) -> _Prepared | None:
         with self._cond:
@@ -302,20 +295,17 @@ class Direct:
         finally:
             if slot is not None:
                 with self._cond:
-                    self._free.append(slot)
+                    self._slots.give(slot)
                     self._cond.notify_all()
         return True
 
     def close(self) -> None:
-        """Close the descriptor and give the bounce buffers back to :data:`BOUNCE` (blocking).
+        """Close the descriptor and give the bounce buffers back to the shared pool (blocking).
 
         Called once every thread of the save is done with them.
         """
         self._ready.clear()
-        self._free.clear()
-        taken, self._taken = self._taken, []
-        for buffer in taken:
-            BOUNCE.give(buffer)
+        self._slots.close()
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
