@@ -22,7 +22,8 @@ METHOD = " ".join(
         "preallocated, already touched template; fresh loaders return new tensors, and their time",
         "includes reading one byte per 4 KiB page of the result, so lazily mmap'd tensors count their",
         "I/O. Savers (with the fsync'd-write limit) run round-robin, then loaders (with the cold read),",
-        "rotating the order each round; the best repeat is reported. Loop lag: a task in the same event",
+        "each round starting one case later and every other round backwards (so that no case always runs",
+        "after the same one); the best repeat is reported. Loop lag: a task in the same event",
         "loop sleeps 1 ms in a loop while the operation runs; lag = actual sleep - 1 ms.",
     ]
 )

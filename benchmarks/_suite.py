@@ -232,10 +232,20 @@ class Suite:
             m.phases.append(dict(out.phases))
 
     def run_rounds(self, cases: list[Case]) -> None:
-        """Run every case ``repeat`` times, round-robin, rotating the order each round; then record lag."""
+        """Run every case ``repeat`` times, round-robin, then record lag.
+
+        Each round starts one case later than the previous one, and every other round runs backwards. On this
+        VM a case's time depends on the case run just before it (docs/benchmarks.md: safetensors' fresh load
+        was fastest behind torch.load's fresh load, which it followed in every round); rotation alone keeps
+        each case behind the same neighbour in every round but the one where the order wraps, backward rounds
+        put it behind its other neighbour.
+        """
         for r in range(self.repeat):
             k = r % len(cases) if cases else 0
-            for case in cases[k:] + cases[:k]:
+            order = cases[k:] + cases[:k]
+            if r % 2:
+                order.reverse()
+            for case in order:
                 req = case.requires
                 if case.failed or (req is not None and not req.m.seconds):
                     if req is not None and not req.m.seconds and not case.m.note:
