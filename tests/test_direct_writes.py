@@ -206,6 +206,34 @@ def test_staging_buffers_start_at_a_page() -> None:
     pool.close()
 
 
+def _resident(address: int, nbytes: int) -> bytes | None:
+    """mincore(2) of ``nbytes`` of this process's memory from ``address`` (page-aligned), or ``None``."""
+    import ctypes
+
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = ctypes.create_string_buffer(-(-nbytes // PAGE))
+    if mincore(address, nbytes, vec) != 0:
+        return None
+    return vec.raw
+
+
+def test_direct_buffers_are_touched_by_the_thread_that_makes_them() -> None:
+    """A direct read into untouched pages faults them in under the mmap lock, stalling other threads' mmap."""
+    raw, view = direct_buffer(3 * HUGE_PAGE + 5)
+    try:
+        pages = _resident(address_of(view), len(view))
+        if pages is None:
+            pytest.skip("mincore is not available here")
+        assert all(pages), f"{pages.count(0)} of {len(pages)} pages not touched"
+    finally:
+        view.release()
+        raw.close()
+
+
 def test_direct_buffers_are_private_huge_page_aligned_huge_pages_kept_from_children() -> None:
     """Bounce buffers must not be scattered 4 KiB pages, which cap each device request at 1 MiB here."""
     raw, view = direct_buffer(3 * HUGE_PAGE + 5)

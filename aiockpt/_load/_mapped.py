@@ -31,8 +31,7 @@ from typing import cast
 import torch
 
 from .._format import TensorEntry
-from .._fs import libc_function
-from .._memory import contiguous_strides
+from .._memory import MADVISE, contiguous_strides
 from .._runs import address_of
 
 # Tensors smaller than this are read into shared slabs (see ``_match._Slabs``): mapping each of them
@@ -40,11 +39,8 @@ from .._runs import address_of
 MIN_BYTES = 64 << 10
 # madvise(2) advice (Linux 5.14): fault every page of a range in, reading what the page cache lacks.
 _MADV_POPULATE_READ = 22
+_MADVISE = MADVISE if sys.platform == "linux" else None
 
-
-_MADVISE = None
-if sys.platform == "linux":
-    _MADVISE = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 # Set once the kernel has refused MADV_POPULATE_READ (before 5.14): the checksum pass then faults pages in.
 _populate_refused = False
 
