@@ -67,7 +67,8 @@ class IOConfig:
             took 0.56-0.62 s. ``True`` reads every run so (a checkpoint still in the page cache is read
             from the device again; files or platforms that refuse ``O_DIRECT`` are read through the page
             cache); ``False``, none. Runs bound for GPU tensors, and tensors ``aiockpt.read`` maps (see
-            ``map_reads``), go through the page cache in any case.
+            ``map_reads``), go through the page cache in any case. ``aiockpt.verify`` reads the same runs
+            so, checksumming them in the bounce buffers.
         drop_behind: Evict the data a load or verification reads through the page cache from it as soon
             as each run of it is verified, except pages that were cached when it began (a checkpoint saved
             on this machine, or already read by another process, stays cached). The load then holds a few

@@ -3,7 +3,10 @@
 Verification reuses the load path's pieces (``_runs``: checksum blocks grouped into runs, runs split
 into sequential lanes, one per thread) and its check (``read_checked``), but reads each run into a
 buffer its thread reuses, so memory stays bounded (about ``RUN_BYTES`` per thread) whatever the size of
-the checkpoint. Unlike a load it does not stop at the first damage: it reports every damaged chunk.
+the checkpoint. The runs a load would read with ``O_DIRECT`` (``IOConfig.direct_reads``) go through the
+load's direct pipeline (``_load._direct``): its readers fill bounce buffers from the shared pool and
+its finisher only checksums them. Unlike a load it does not stop at the first damage: it reports every
+damaged chunk, and every run it cannot read.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import os
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -21,12 +26,14 @@ from ._errors import CorruptionError, StorageError
 from ._format import Chunk, Manifest
 from ._gc import paused
 from ._load import read_manifest
+from ._load._checker import checker_cpus
+from ._load._direct import DirectReads, copy_checked, open_for_direct, reads_direct
 from ._load._read import chunk_error, read_checked
 from ._options import IOConfig
 from ._pagecache import drop_behind, resident, sweep
 from ._runs import MAX_GAP, Piece, Run, group, lanes
 from ._storage import local
-from ._threads import responsive, run_sync, run_workers
+from ._threads import responsive, run_each, run_sync, run_workers
 
 # How often ``progress`` hears about the bytes verified so far.
 _PROGRESS_INTERVAL = 0.1
@@ -142,9 +149,18 @@ async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], No
     report()
 
 
-def _close_all(fds: dict[str, int], before: dict[str, bytes | None]) -> None:
+def _close_all(
+    fds: dict[str, int],
+    before: dict[str, bytes | None],
+    direct_fds: dict[str, int],
+    pipeline: DirectReads | None,
+) -> None:
+    if pipeline is not None:
+        pipeline.close()
     for name, fd in fds.items():
         sweep(fd, before.get(name))  # what readahead brought in past the runs read
+        os.close(fd)
+    for fd in direct_fds.values():
         os.close(fd)
 
 
@@ -158,13 +174,16 @@ async def verify(
 
     Each data file is read in full (by ``io.thread_count`` threads, each through a buffer of a few MiB it
     reuses, so memory use does not grow with the checkpoint) and every block's CRC32C compared with the
-    manifest's. Unlike :func:`load`, verification goes on past the first damaged chunk and reports all of
-    them. A collective-free checkpoint is verified part by part, through its merged manifest. As a load
-    does (``IOConfig.drop_behind``), it leaves in the page cache only what was cached before it began.
+    manifest's. The runs a load would read with ``O_DIRECT`` (``io.direct_reads``; by default those of
+    large blocks that nothing of is cached) are read so, into bounce buffers of 8 MiB (one per
+    ``io.direct_thread_count`` reader and two more), and checksummed there. Unlike :func:`load`,
+    verification goes on past the first damaged chunk and reports all of them. A collective-free
+    checkpoint is verified part by part, through its merged manifest. As a load does
+    (``IOConfig.drop_behind``), it leaves in the page cache only what was cached before it began.
 
     Args:
         path: A checkpoint directory.
-        io: I/O tuning (``threads`` readers).
+        io: I/O tuning (``threads`` readers, ``direct_reads``, ``drop_behind``, ``checkers``).
         progress: Called on the event loop as ``progress(bytes_done, bytes_total)`` a few times a second
             while data is read, and once at the end.
 
@@ -200,8 +219,11 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
     total = sum(i.chunk.nbytes for i in items)
     fds: dict[str, int] = {}
     work: list[tuple[int, deque[tuple[str, Run]]]] = []
-    done: list[int] = []
+    done: list[int] = [0]  # bytes verified: by the direct pipeline, then per lane
     before: dict[str, bytes | None] = {}
+    direct_fds: dict[str, int] = {}
+    direct_jobs: list[tuple[int, int, Run]] = []  # the runs read with O_DIRECT: (direct fd, fd, run)
+    pipeline: DirectReads | None = None
 
     def open_files() -> None:
         jobs: list[tuple[str, Run]] = []
@@ -224,9 +246,31 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
             for p in pieces:
                 if p.offset + len(p.view) > size:
                     problems.add(p.item, "data file is truncated")
-            jobs.extend((name, run) for run in group([p for p in pieces if p.offset + len(p.view) <= size]))
-        work.extend(enumerate(lanes(jobs, io.thread_count, lambda job: job[1].end - job[1].offset)))
+            runs = group([p for p in pieces if p.offset + len(p.view) <= size])
+            wanted = any(reads_direct(io.direct_reads, before[name], run) for run in runs)
+            dfd = open_for_direct(directory / name) if wanted else None
+            if dfd is not None:
+                direct_fds[name] = dfd
+            for run in runs:
+                if dfd is not None and reads_direct(io.direct_reads, before[name], run):
+                    direct_jobs.append((dfd, fd, run))
+                else:
+                    jobs.append((name, run))
+        work.extend(enumerate(lanes(jobs, io.thread_count, lambda job: job[1].end - job[1].offset), 1))
         done.extend(0 for _ in work)
+
+    def finish_direct(run: Run, buffer: memoryview, start: int, end: int) -> None:
+        short, bad = copy_checked(run, buffer, start, end, checksums, copy=False)
+        for p in short:
+            problems.add(p.item, "data file is truncated")
+        for p in bad:
+            problems.add(p.item, f"checksum mismatch in block {p.block}")
+        done[0] += sum(len(p.view) for p in run.pieces)
+
+    def unreadable(run: Run, exc: OSError) -> None:
+        for p in run.pieces:
+            problems.add(p.item, f"read error ({exc.strerror or exc})")
+        done[0] += sum(len(p.view) for p in run.pieces)
 
     def worker(abort: threading.Event) -> None:
         index, lane = work.pop()
@@ -254,6 +298,14 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
             done[index] += sum(len(p.view) for p in run.pieces)
 
     async def read_all() -> None:
+        nonlocal pipeline
+        if direct_jobs:
+            pipeline = DirectReads(direct_jobs, io.direct_thread_count, finish_direct, unreadable)
+            direct_jobs.clear()  # (the pipeline has them)
+            with checker_cpus(1) if io.checkers else nullcontext() as finisher_cpu:  # on the loop's thread
+                cpu = finisher_cpu[0] if finisher_cpu else None
+                readers = [partial(pipeline.read, cpu=cpu)] * pipeline.readers
+                await run_each([*readers, partial(pipeline.finish, cpu=cpu)])
         if work:
             await run_workers(worker, len(work))
 
@@ -265,7 +317,7 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
             await _reporting(read_all, lambda: progress(sum(done), total))
     finally:
         with anyio.CancelScope(shield=True):
-            await run_sync(lambda: _close_all(fds, before))
+            await run_sync(lambda: _close_all(fds, before, direct_fds, pipeline))
     return VerifyReport(
         path=str(directory),
         problems=problems.in_file_order(),

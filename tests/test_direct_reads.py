@@ -1,4 +1,4 @@
-"""Loads through O_DIRECT and bounce buffers (by default of cold data; or of all) keep every guarantee."""
+"""Loads and verifications through O_DIRECT and bounce buffers (by default of cold data) lose nothing."""
 
 from __future__ import annotations
 
@@ -239,6 +239,8 @@ async def test_loads_that_keep_or_share_pages_read_nothing_directly(
     target = zeros_like_tree(state)
     await aiockpt.load(target, ckpt_path, io=io)
     assert_tree_equal(target, state)
+    _cold(ckpt_path)
+    assert (await aiockpt.verify(ckpt_path, io=io)).ok
     assert direct_spans == []
 
 
@@ -319,8 +321,9 @@ async def test_a_failing_direct_read_fails_the_load_by_directory_and_stops_every
     assert_tree_equal(target, state)
 
 
+@pytest.mark.parametrize("verify", [False, True], ids=["load", "verify"])
 async def test_a_load_cancelled_during_direct_reads_leaves_nothing_behind(
-    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+    verify: bool, ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = {f"w{i}": torch.randn(1 << 20) for i in range(6)}
     await aiockpt.save(state, ckpt_path)
@@ -341,7 +344,10 @@ async def test_a_load_cancelled_during_direct_reads_leaves_nothing_behind(
 
     monkeypatch.setattr(os, "preadv", slow)
     zeros: dict[str, object] = {k: torch.zeros_like(v) for k, v in state.items()}
-    assert await cancelled_once(reading, lambda: aiockpt.load(zeros, ckpt_path))
+    started = cancelled_once(
+        reading, lambda: aiockpt.verify(ckpt_path) if verify else aiockpt.load(zeros, ckpt_path)
+    )
+    assert await started
     assert 0 < calls < 4  # stopped mid-load (three runs of 8 MiB), not after it
     assert outstanding == [0]
     if fds is not None:
@@ -398,3 +404,60 @@ def test_the_longest_run_widened_to_page_alignment_fits_a_pooled_bounce_buffer(o
     assert start <= offset
     assert stop >= offset + RUN_BYTES
     assert stop - start <= _memory.BOUNCE.size
+
+
+# -- Verification: the runs a load would read directly, read so and only checksummed ------------------------
+
+
+async def test_a_default_verification_reads_cold_large_blocks_directly(
+    ckpt_path: Path, direct_spans: list[tuple[int, int]]
+) -> None:
+    state = large_state()
+    await aiockpt.save(state, ckpt_path, io=BLOCKS)
+    _cold(ckpt_path)
+    seen: list[tuple[int, int]] = []
+    report = await aiockpt.verify(ckpt_path, progress=lambda done, total: seen.append((done, total)))
+    assert report.ok, report.problems
+    assert seen[-1] == (report.nbytes, report.nbytes)  # the direct runs count towards progress too
+    assert _within(_range_of(ckpt_path, "big"), direct_spans)
+    assert _within(_range_of(ckpt_path, "big2"), direct_spans)
+    for i in (0, 20, 39):  # packed small tensors: read through the page cache, then evicted
+        assert not _touches(_range_of(ckpt_path, f"small/s{i}"), direct_spans)
+    assert not any(resident_pages(ckpt_path / DATA)), "a cold verification must leave nothing cached"
+
+
+async def test_damaged_blocks_read_directly_are_all_reported_by_key_file_and_block(
+    ckpt_path: Path, direct_spans: list[tuple[int, int]]
+) -> None:
+    state = large_state()
+    await aiockpt.save(state, ckpt_path, io=BLOCKS)
+    for key, at in (("big", 3 << 20), ("big2", 100)):  # block 3 of "big", block 0 of "big2"
+        flip_byte(ckpt_path / DATA, _range_of(ckpt_path, key)[0] + at)
+    _cold(ckpt_path)
+    report = await aiockpt.verify(ckpt_path)
+    assert direct_spans
+    assert [p.key for p in report.problems] == ["big", "big2"]
+    assert "checksum mismatch in block 3" in str(report.problems[0])
+    assert "checksum mismatch in block 0" in str(report.problems[1])
+    assert all(p.file == str(ckpt_path / DATA) for p in report.problems)
+
+
+async def test_a_direct_run_that_cannot_be_read_is_reported_and_the_rest_verified(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = large_state()
+    await aiockpt.save(state, ckpt_path, io=BLOCKS)
+    _cold(ckpt_path)
+    outstanding = _bounce_accounting(monkeypatch)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    calls = _failing_direct_reads(monkeypatch, errno.EIO, after=1)  # the first direct read succeeds
+    with anyio.fail_after(30):
+        report = await aiockpt.verify(ckpt_path)
+    assert len(calls) == 2  # one run of each big tensor
+    (problem,) = report.problems
+    assert problem.key in ("big", "big2")
+    assert f"read error ({os.strerror(errno.EIO)})" in str(problem)
+    assert problem.file == str(ckpt_path / DATA)
+    assert outstanding == [0]
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds

@@ -11,6 +11,7 @@ in flight; they sleep in the device's reads, so the finisher is the only thread 
 Where the machine has few CPUs, readers and finisher are all pinned to one that is not the event loop's
 (see ``_checker``; readers left free took the loop's CPU: loop-lag p99 2.15 ms against 0.65-0.69 ms).
 Cold loads of 2 GiB so took 0.593-0.596 s at best, the plain ``O_DIRECT`` read 0.521-0.525 s.
+``aiockpt.verify`` reads the same runs through the same pipeline, its finisher only verifying.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import crc32c
 
+from .._fs import open_direct
 from .._memory import BounceSlots
+from .._pagecache import uncached
 from .._runs import DIRECT_ALIGN, Piece, Run, address_of
 from .._threads import Aborted
-from ._checker import pinned
+from ._checker import pinned, wants_checker
 
 # How long a thread waiting for the other side sleeps between looks at ``abort``.
 _POLL = 0.05
@@ -40,6 +44,34 @@ _REFUSED = (errno.EINVAL,)
 def span(run: Run) -> tuple[int, int]:
     """The file range ``[start, stop)`` that covers ``run``, widened to ``O_DIRECT`` alignment."""
     return run.offset - run.offset % DIRECT_ALIGN, -(-run.end // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+def reads_direct(direct: bool | None, snapshot: bytes | None, run: Run) -> bool:
+    """Whether ``run``, bound for CPU memory that is not a mapping of its file, is read with ``O_DIRECT``.
+
+    ``direct`` is ``IOConfig.direct_reads``; ``snapshot``, the file's pages cached before the reads began
+    (``None`` where drop-behind is off: pages may be shared, and nothing is evicted). ``None`` picks the
+    runs a buffered read would evict again: blocks of 64 KiB or more on average (``wants_checker``), none
+    of whose pages, widened to ``O_DIRECT`` alignment, is cached.
+    """
+    if direct is not None:
+        return direct
+    if snapshot is None or not wants_checker(run):
+        return False
+    start, stop = span(run)
+    return uncached(snapshot, start, stop)
+
+
+def open_for_direct(path: Path) -> int | None:
+    """``path`` opened read-only with ``O_DIRECT``, or ``None`` where that is refused or fails.
+
+    A missing or unreadable file fails the buffered open that comes first, with its own error: any
+    failure here only means the runs are read buffered.
+    """
+    try:
+        return open_direct(path, os.O_RDONLY)
+    except OSError:
+        return None
 
 
 def _read_span(direct_fd: int, fd: int, buffer: memoryview, start: int) -> int:
@@ -66,13 +98,20 @@ def _read_span(direct_fd: int, fd: int, buffer: memoryview, start: int) -> int:
 
 
 def copy_checked(
-    run: Run, buffer: memoryview, start: int, end: int, checksums: Sequence[tuple[int, ...]] | None
+    run: Run,
+    buffer: memoryview,
+    start: int,
+    end: int,
+    checksums: Sequence[tuple[int, ...]] | None,
+    *,
+    copy: bool = True,
 ) -> tuple[list[Piece], list[Piece]]:
     """Verify the pieces of ``run``, read into ``buffer`` from file offset ``start`` up to ``end``; copy them.
 
     Each piece is checksummed in the buffer, then copied into its view only if it matches: a damaged
     block never reaches its destination. A block (4 MiB by default) is still in the CPU's cache when it is
-    copied. Both calls release the GIL (``crc32c`` for blocks over 32 KiB, ``memmove``).
+    copied. Both calls release the GIL (``crc32c`` for blocks over 32 KiB, ``memmove``). ``copy=False``
+    only verifies (``aiockpt.verify``).
 
     Returns:
         The pieces the file ended before (truncated), and the pieces whose checksum does not match.
@@ -88,24 +127,27 @@ def copy_checked(
         at = p.offset - start
         if checksums is not None and crc32c.crc32c(buffer[at : at + n]) != checksums[p.item][p.block]:
             bad.append(p)
-        elif n:
+        elif copy and n:
             ctypes.memmove(address_of(p.view), base + at, n)
     return short, bad
 
 
-# A run read and not yet finished: the run, its buffer, the file offset of the buffer's first byte, and
-# the file offset where the bytes read end.
-_Done = tuple[Run, memoryview, int, int]
+# A run read and not yet finished: the run, its buffer, the file offset of the buffer's first byte, the
+# file offset where the bytes read end, and the error that failed its read (with ``failed`` only).
+_Done = tuple[Run, memoryview, int, int, OSError | None]
 
 
 class DirectReads:
-    """The ``O_DIRECT`` runs of one load, and the threads that read and finish them.
+    """The ``O_DIRECT`` runs of one load or verification, and the threads that read and finish them.
 
     ``jobs`` are ``(direct fd, buffered fd, run)``, in file order; ``finish(run, buffer, start, end)``
     verifies a run read into ``buffer`` and copies it into place (raising on a damaged or missing block).
-    Run :meth:`read` in ``readers`` threads and :meth:`finish` in one, all at once; each returns soon
-    after ``abort`` is set. At most ``readers + 2`` bounce buffers are in use: one per reader, one being
-    finished and one read and waiting. :meth:`close` gives them back once every thread has returned.
+    A failed read raises in its reader, unless ``failed`` is given: the finisher then calls
+    ``failed(run, error)`` instead of ``finish`` for that run and the reads go on (a verification reports
+    every unreadable run). Run :meth:`read` in ``readers`` threads and :meth:`finish` in one, all at once;
+    each returns soon after ``abort`` is set. At most ``readers + 2`` bounce buffers are in use: one per
+    reader, one being finished and one read and waiting. :meth:`close` gives them back once every thread
+    has returned.
     """
 
     def __init__(
@@ -113,11 +155,13 @@ class DirectReads:
         jobs: Sequence[tuple[int, int, Run]],
         readers: int,
         finish: Callable[[Run, memoryview, int, int], None],
+        failed: Callable[[Run, OSError], None] | None = None,
     ) -> None:
         self.readers = max(1, min(readers, len(jobs)))
         self._jobs = deque(jobs)
         self._count = len(jobs)
         self._finish = finish
+        self._failed = failed
         size = max((stop - start for start, stop in (span(run) for _, _, run in jobs)), default=0)
         self._buffers = BounceSlots(size, self.readers + 2)
         self._done: deque[_Done] = deque()
@@ -128,7 +172,7 @@ class DirectReads:
 
         Raises:
             Aborted: ``abort`` was set.
-            OSError: A read failed.
+            OSError: A read failed (without ``failed``).
         """
         with pinned(cpu):
             self._read(abort)
@@ -143,9 +187,15 @@ class DirectReads:
                 direct_fd, fd, run = self._jobs.popleft()
             buffer = self._take(abort)  # (on failure, still taken: given back by close)
             start, stop = span(run)
-            got = _read_span(direct_fd, fd, buffer[: stop - start], start)
+            error: OSError | None = None
+            try:
+                got = _read_span(direct_fd, fd, buffer[: stop - start], start)
+            except OSError as exc:
+                if self._failed is None:
+                    raise
+                got, error = 0, exc
             with self._cond:
-                self._done.append((run, buffer, start, start + got))
+                self._done.append((run, buffer, start, start + got, error))
                 self._cond.notify_all()
 
     def finish(self, abort: threading.Event, cpu: int | None = None) -> None:
@@ -162,9 +212,12 @@ class DirectReads:
                         if abort.is_set():
                             raise Aborted
                         self._cond.wait(_POLL)
-                    run, buffer, start, end = self._done.popleft()
+                    run, buffer, start, end, error = self._done.popleft()
                 try:
-                    self._finish(run, buffer, start, end)
+                    if error is not None and self._failed is not None:
+                        self._failed(run, error)
+                    else:
+                        self._finish(run, buffer, start, end)
                 finally:
                     self._give(buffer)
 

@@ -32,16 +32,15 @@ import torch
 from .._cuda import cuda_devices, current, in_use, noted, wait
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
-from .._fs import open_direct
 from .._gc import paused
 from .._memory import byte_view, plain_cpu, plain_view
-from .._pagecache import drop_behind, kept, resident, sweep, uncached
+from .._pagecache import drop_behind, kept, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_each, run_sync, run_workers
 from .._tree import dtype_from_name, render
 from ._checker import Checker, checker_cpus, pinned, wants_checker
 from ._device import DeviceReader, sink_of
-from ._direct import DirectReads, copy_checked, span
+from ._direct import DirectReads, copy_checked, open_for_direct, reads_direct
 from ._mapped import populate
 from ._match import Destination
 
@@ -226,18 +225,6 @@ def mismatched(pieces: Iterable[Piece], checksums: Sequence[tuple[int, ...]]) ->
     return [p for p in pieces if crc32c.crc32c(p.view) != checksums[p.item][p.block]]
 
 
-def _open_direct(path: Path) -> int | None:
-    """``path`` opened with ``O_DIRECT``, or ``None`` where that is refused or fails.
-
-    A missing or unreadable file fails the buffered open that comes first, with its own error: any
-    failure here only means the runs are read buffered.
-    """
-    try:
-        return open_direct(path, os.O_RDONLY)
-    except OSError:
-        return None
-
-
 def cached_pages(directory: Path, manifest: Manifest) -> dict[str, bytes | None]:
     """Which pages of each data file the page cache holds now (see :func:`aiockpt._pagecache.resident`).
 
@@ -377,15 +364,7 @@ async def read_into(
 
     def goes_direct(name: str, run: Run) -> bool:
         """Whether ``run`` is to be read with ``O_DIRECT``, where its file can be opened so."""
-        if direct is False or on_gpu(run) or in_map(run):
-            return False
-        if direct:
-            return True
-        snapshot = before.get(name)
-        if snapshot is None or not wants_checker(run):
-            return False
-        start, stop = span(run)
-        return uncached(snapshot, start, stop)
+        return not on_gpu(run) and not in_map(run) and reads_direct(direct, before.get(name), run)
 
     def open_files() -> None:
         for name, pieces in by_file.items():
@@ -407,7 +386,7 @@ async def read_into(
                 before[name] = kept(snapshot, spans) if snapshot is not None and spans else snapshot
         wanted = [goes_direct(name, run) for name, run in jobs]
         for name in sorted({name for (name, _), want in zip(jobs, wanted, strict=True) if want}):
-            dfd = _open_direct(directory / name)
+            dfd = open_for_direct(directory / name)
             if dfd is not None:
                 direct_fds[name] = dfd
         rest: list[tuple[str, Run]] = []
