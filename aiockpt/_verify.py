@@ -247,12 +247,12 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
                 if p.offset + len(p.view) > size:
                     problems.add(p.item, "data file is truncated")
             runs = group([p for p in pieces if p.offset + len(p.view) <= size])
-            wanted = any(reads_direct(io.direct_reads, before[name], run) for run in runs)
-            dfd = open_for_direct(directory / name) if wanted else None
+            wanted = [reads_direct(io.direct_reads, before[name], run) for run in runs]
+            dfd = open_for_direct(directory / name) if any(wanted) else None
             if dfd is not None:
                 direct_fds[name] = dfd
-            for run in runs:
-                if dfd is not None and reads_direct(io.direct_reads, before[name], run):
+            for run, want in zip(runs, wanted, strict=True):
+                if want and dfd is not None:
                     direct_jobs.append((dfd, fd, run))
                 else:
                     jobs.append((name, run))
