@@ -183,6 +183,15 @@ def _touches(inner: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
     return any(min(inner[1], b) > max(inner[0], a) for a, b in spans)
 
 
+def _assert_read_by_default(ckpt: Path, spans: list[tuple[int, int]], what: str) -> None:
+    """``large_state``'s big tensors were read directly, its small ones not, and nothing stays cached."""
+    assert _within(_range_of(ckpt, "big"), spans)
+    assert _within(_range_of(ckpt, "big2"), spans)
+    for i in (0, 20, 39):  # packed small tensors: read through the page cache, then evicted
+        assert not _touches(_range_of(ckpt, f"small/s{i}"), spans)
+    assert not any(resident_pages(ckpt / DATA)), f"a cold {what} must leave nothing cached"
+
+
 async def test_a_default_load_reads_cold_large_blocks_directly_and_small_ones_buffered(
     ckpt_path: Path, direct_spans: list[tuple[int, int]]
 ) -> None:
@@ -192,11 +201,7 @@ async def test_a_default_load_reads_cold_large_blocks_directly_and_small_ones_bu
     target = zeros_like_tree(state)
     await aiockpt.load(target, ckpt_path)
     assert_tree_equal(target, state)
-    assert _within(_range_of(ckpt_path, "big"), direct_spans)
-    assert _within(_range_of(ckpt_path, "big2"), direct_spans)
-    for i in (0, 20, 39):  # packed small tensors: read through the page cache, then evicted
-        assert not _touches(_range_of(ckpt_path, f"small/s{i}"), direct_spans)
-    assert not any(resident_pages(ckpt_path / DATA)), "a cold load must leave nothing cached"
+    _assert_read_by_default(ckpt_path, direct_spans, "load")
 
 
 async def test_cached_runs_are_read_through_the_page_cache_and_stay_cached(
@@ -419,11 +424,7 @@ async def test_a_default_verification_reads_cold_large_blocks_directly(
     report = await aiockpt.verify(ckpt_path, progress=lambda done, total: seen.append((done, total)))
     assert report.ok, report.problems
     assert seen[-1] == (report.nbytes, report.nbytes)  # the direct runs count towards progress too
-    assert _within(_range_of(ckpt_path, "big"), direct_spans)
-    assert _within(_range_of(ckpt_path, "big2"), direct_spans)
-    for i in (0, 20, 39):  # packed small tensors: read through the page cache, then evicted
-        assert not _touches(_range_of(ckpt_path, f"small/s{i}"), direct_spans)
-    assert not any(resident_pages(ckpt_path / DATA)), "a cold verification must leave nothing cached"
+    _assert_read_by_default(ckpt_path, direct_spans, "verification")
 
 
 async def test_damaged_blocks_read_directly_are_all_reported_by_key_file_and_block(
