@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -208,8 +209,6 @@ def test_staging_buffers_start_at_a_page() -> None:
 
 def _resident(address: int, nbytes: int) -> bytes | None:
     """mincore(2) of ``nbytes`` of this process's memory from ``address`` (page-aligned), or ``None``."""
-    import ctypes
-
     try:
         mincore = ctypes.CDLL(None, use_errno=True).mincore
     except (OSError, AttributeError):
