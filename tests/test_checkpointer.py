@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from conftest import (
@@ -53,8 +55,28 @@ def state_for(step: int) -> dict[str, object]:
 
 
 def big_state(step: int) -> dict[str, object]:
-    """Big enough (4 MiB) that its save is still in flight right after it is staged."""
+    """4 MiB: its save usually takes longer than staging the next one (see ``held_commits``)."""
     return {"w": torch.full((1 << 20,), float(step))}
+
+
+@pytest.fixture
+async def held_commits(monkeypatch: pytest.MonkeyPatch) -> anyio.Event:
+    """Saves stay in flight, before their commit, until the returned event is set.
+
+    A save's being in flight right after the next one is staged was left to timing: a 4 MiB save
+    sometimes committed first on a CI machine, and a test of a full in-flight limit saw no BusyError.
+    """
+    release = anyio.Event()
+    commit = aiockpt._save._finish.commit
+
+    async def held(
+        tmpdir: Path, final: Path, manifest: Sequence[bytes], limiter: anyio.CapacityLimiter | None = None
+    ) -> None:
+        await release.wait()
+        await commit(tmpdir, final, manifest, limiter)
+
+    monkeypatch.setattr(aiockpt._save, "commit", held)
+    return release
 
 
 async def test_keep_last_retention_and_latest(root: Path) -> None:
@@ -219,7 +241,7 @@ async def test_on_busy_wait_queues_saves(root: Path) -> None:
         assert_tree_equal(await ckpt.read(2), big_state(2))
 
 
-async def test_on_busy_skip(root: Path) -> None:
+async def test_on_busy_skip(root: Path, held_commits: anyio.Event) -> None:
     async with Checkpointer(root, max_inflight=1, on_busy="skip") as ckpt:
         h1 = await ckpt.save(big_state(1), step=1, async_op=True)
         assert not h1.done()
@@ -230,6 +252,7 @@ async def test_on_busy_skip(root: Path) -> None:
             await h2
         with pytest.raises(aiockpt.SaveSkippedError):
             await h2
+        held_commits.set()
         await h1
         assert h1.state is SaveState.COMMITTED
         assert ckpt.steps() == [1]
@@ -239,33 +262,36 @@ async def test_on_busy_skip(root: Path) -> None:
         assert ckpt.steps() == [1, 3]
 
 
-async def test_on_busy_skip_blocking_save_raises(root: Path) -> None:
+async def test_on_busy_skip_blocking_save_raises(root: Path, held_commits: anyio.Event) -> None:
     async with Checkpointer(root, max_inflight=1, on_busy="skip") as ckpt:
         h1 = await ckpt.save(big_state(1), step=1, async_op=True)
         with pytest.raises(aiockpt.SaveSkippedError):
             await ckpt.save(big_state(2), step=2)
+        held_commits.set()
         await h1
         assert ckpt.steps() == [1]
 
 
-async def test_on_busy_error(root: Path) -> None:
+async def test_on_busy_error(root: Path, held_commits: anyio.Event) -> None:
     async with Checkpointer(root, max_inflight=1, on_busy="error") as ckpt:
         h1 = await ckpt.save(big_state(1), step=1, async_op=True)
         with pytest.raises(BusyError):
             await ckpt.save(big_state(2), step=2, async_op=True)
         with pytest.raises(BusyError):
             await ckpt.save(big_state(2), step=2)
+        held_commits.set()
         await h1
         await ckpt.save(big_state(2), step=2)
         assert ckpt.steps() == [1, 2]
 
 
-async def test_max_inflight_two_allows_two(root: Path) -> None:
+async def test_max_inflight_two_allows_two(root: Path, held_commits: anyio.Event) -> None:
     async with Checkpointer(root, max_inflight=2, on_busy="error") as ckpt:
         h1 = await ckpt.save(big_state(1), step=1, async_op=True)
         h2 = await ckpt.save(big_state(2), step=2, async_op=True)
         with pytest.raises(BusyError):
             await ckpt.save(big_state(3), step=3, async_op=True)
+        held_commits.set()
         await h1
         await h2
         assert listdir(root) == ["latest", step_dir(1), step_dir(2)]
