@@ -15,9 +15,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import anyio
@@ -26,14 +24,13 @@ from ._errors import CorruptionError, StorageError
 from ._format import Chunk, Manifest
 from ._gc import paused
 from ._load import read_manifest
-from ._load._checker import checker_cpus
-from ._load._direct import DirectReads, copy_checked, open_for_direct, reads_direct
+from ._load._direct import DirectReads, copy_checked, reads_direct, split_direct
 from ._load._read import chunk_error, read_checked
 from ._options import IOConfig
 from ._pagecache import drop_behind, resident, sweep
 from ._runs import MAX_GAP, Piece, Run, group, lanes
 from ._storage import local
-from ._threads import responsive, run_each, run_sync, run_workers
+from ._threads import responsive, run_sync, run_workers
 
 # How often ``progress`` hears about the bytes verified so far.
 _PROGRESS_INTERVAL = 0.1
@@ -246,30 +243,29 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
             for p in pieces:
                 if p.offset + len(p.view) > size:
                     problems.add(p.item, "data file is truncated")
-            runs = group([p for p in pieces if p.offset + len(p.view) <= size])
-            wanted = [reads_direct(io.direct_reads, before[name], run) for run in runs]
-            dfd = open_for_direct(directory / name) if any(wanted) else None
-            if dfd is not None:
-                direct_fds[name] = dfd
-            for run, want in zip(runs, wanted, strict=True):
-                if want and dfd is not None:
-                    direct_jobs.append((dfd, fd, run))
-                else:
-                    jobs.append((name, run))
-        work.extend(enumerate(lanes(jobs, io.thread_count, lambda job: job[1].end - job[1].offset), 1))
+            jobs.extend((name, run) for run in group([p for p in pieces if p.offset + len(p.view) <= size]))
+        wanted = [reads_direct(io.direct_reads, before[name], run) for name, run in jobs]
+        direct_runs, rest = split_direct(directory, jobs, wanted, fds, direct_fds)
+        direct_jobs.extend(direct_runs)
+        work.extend(enumerate(lanes(rest, io.thread_count, lambda job: job[1].end - job[1].offset), 1))
         done.extend(0 for _ in work)
 
-    def finish_direct(run: Run, buffer: memoryview, start: int, end: int) -> None:
-        short, bad = copy_checked(run, buffer, start, end, checksums, copy=False)
+    def damaged(short: list[Piece], bad: list[Piece]) -> None:
         for p in short:
             problems.add(p.item, "data file is truncated")
         for p in bad:
             problems.add(p.item, f"checksum mismatch in block {p.block}")
-        done[0] += sum(len(p.view) for p in run.pieces)
 
     def unreadable(run: Run, exc: OSError) -> None:
         for p in run.pieces:
             problems.add(p.item, f"read error ({exc.strerror or exc})")
+
+    def finish_direct(run: Run, buffer: memoryview, start: int, end: int) -> None:
+        damaged(*copy_checked(run, buffer, start, end, checksums, copy=False))
+        done[0] += sum(len(p.view) for p in run.pieces)
+
+    def unreadable_direct(run: Run, exc: OSError) -> None:
+        unreadable(run, exc)
         done[0] += sum(len(p.view) for p in run.pieces)
 
     def worker(abort: threading.Event) -> None:
@@ -285,27 +281,19 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
                 start = p.offset - run.offset
                 p.view = buf[start : start + len(p.view)]
             try:
-                short, bad = read_checked(fds[name], run, scratch, checksums)
+                damaged(*read_checked(fds[name], run, scratch, checksums))
             except OSError as exc:
-                for p in run.pieces:
-                    problems.add(p.item, f"read error ({exc.strerror or exc})")
+                unreadable(run, exc)
             else:
-                for p in short:
-                    problems.add(p.item, "data file is truncated")
-                for p in bad:
-                    problems.add(p.item, f"checksum mismatch in block {p.block}")
                 drop_behind(fds[name], run.offset, run.end, before[name])
             done[index] += sum(len(p.view) for p in run.pieces)
 
     async def read_all() -> None:
         nonlocal pipeline
         if direct_jobs:
-            pipeline = DirectReads(direct_jobs, io.direct_thread_count, finish_direct, unreadable)
+            pipeline = DirectReads(direct_jobs, io.direct_thread_count, finish_direct, unreadable_direct)
             direct_jobs.clear()  # (the pipeline has them)
-            with checker_cpus(1) if io.checkers else nullcontext() as finisher_cpu:  # on the loop's thread
-                cpu = finisher_cpu[0] if finisher_cpu else None
-                readers = [partial(pipeline.read, cpu=cpu)] * pipeline.readers
-                await run_each([*readers, partial(pipeline.finish, cpu=cpu)])
+            await pipeline.run(io.checkers)
         if work:
             await run_workers(worker, len(work))
 

@@ -21,17 +21,20 @@ import errno
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
+import anyio
 import crc32c
 
 from .._fs import open_direct
 from .._memory import BounceSlots
 from .._pagecache import uncached
 from .._runs import DIRECT_ALIGN, Piece, Run, address_of
-from .._threads import Aborted
-from ._checker import pinned, wants_checker
+from .._threads import Aborted, run_each
+from ._checker import checker_cpus, pinned, wants_checker
 
 # How long a thread waiting for the other side sleeps between looks at ``abort``.
 _POLL = 0.05
@@ -62,7 +65,7 @@ def reads_direct(direct: bool | None, snapshot: bytes | None, run: Run) -> bool:
     return uncached(snapshot, start, stop)
 
 
-def open_for_direct(path: Path) -> int | None:
+def _open_for_direct(path: Path) -> int | None:
     """``path`` opened read-only with ``O_DIRECT``, or ``None`` where that is refused or fails.
 
     A missing or unreadable file fails the buffered open that comes first, with its own error: any
@@ -72,6 +75,33 @@ def open_for_direct(path: Path) -> int | None:
         return open_direct(path, os.O_RDONLY)
     except OSError:
         return None
+
+
+def split_direct(
+    directory: Path,
+    jobs: Sequence[tuple[str, Run]],
+    wanted: Sequence[bool],
+    fds: Mapping[str, int],
+    direct_fds: dict[str, int],
+) -> tuple[list[tuple[int, int, Run]], list[tuple[str, Run]]]:
+    """Split ``jobs`` (file name, run) into the direct jobs of :class:`DirectReads` and the rest.
+
+    Each file with a run ``wanted`` direct is opened with ``O_DIRECT`` (into ``direct_fds``, by name; the
+    caller closes them); the wanted runs of a file that refuses it stay with the rest, read buffered
+    through ``fds``. Both lists keep the order of ``jobs``.
+    """
+    for name in sorted({name for (name, _), want in zip(jobs, wanted, strict=True) if want}):
+        dfd = _open_for_direct(directory / name)
+        if dfd is not None:
+            direct_fds[name] = dfd
+    direct: list[tuple[int, int, Run]] = []
+    rest: list[tuple[str, Run]] = []
+    for (name, run), want in zip(jobs, wanted, strict=True):
+        if want and name in direct_fds:
+            direct.append((direct_fds[name], fds[name], run))
+        else:
+            rest.append((name, run))
+    return direct, rest
 
 
 def _read_span(direct_fd: int, fd: int, buffer: memoryview, start: int) -> int:
@@ -166,6 +196,21 @@ class DirectReads:
         self._buffers = BounceSlots(size, self.readers + 2)
         self._done: deque[_Done] = deque()
         self._cond = threading.Condition()
+
+    async def run(self, checkers: bool, limiter: anyio.CapacityLimiter | None = None) -> None:
+        """Read and finish every run, each reader and the finisher in a thread of its own; on the loop.
+
+        With ``checkers``, all of them are pinned to the CPU a load's checker would get (see
+        ``_checker.checker_cpus``), which leaves the event loop's CPU free.
+
+        Raises:
+            OSError: A read failed (without ``failed``).
+            CorruptionError: As ``finish`` raises it.
+        """
+        with checker_cpus(1) if checkers else nullcontext() as cpus:
+            cpu = cpus[0] if cpus else None
+            readers = [partial(self.read, cpu=cpu)] * self.readers
+            await run_each([*readers, partial(self.finish, cpu=cpu)], limiter)
 
     def read(self, abort: threading.Event, cpu: int | None = None) -> None:
         """A reader's work, on ``cpu`` if not ``None``: read runs into free buffers until none is left.

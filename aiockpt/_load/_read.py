@@ -36,11 +36,11 @@ from .._gc import paused
 from .._memory import byte_view, plain_cpu, plain_view
 from .._pagecache import drop_behind, kept, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
-from .._threads import Aborted, dismantle, run_each, run_sync, run_workers
+from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
 from ._checker import Checker, checker_cpus, pinned, wants_checker
 from ._device import DeviceReader, sink_of
-from ._direct import DirectReads, copy_checked, open_for_direct, reads_direct
+from ._direct import DirectReads, copy_checked, reads_direct, split_direct
 from ._mapped import populate
 from ._match import Destination
 
@@ -385,16 +385,8 @@ async def read_into(
                 spans = held.get(name)
                 before[name] = kept(snapshot, spans) if snapshot is not None and spans else snapshot
         wanted = [goes_direct(name, run) for name, run in jobs]
-        for name in sorted({name for (name, _), want in zip(jobs, wanted, strict=True) if want}):
-            dfd = open_for_direct(directory / name)
-            if dfd is not None:
-                direct_fds[name] = dfd
-        rest: list[tuple[str, Run]] = []
-        for (name, run), want in zip(jobs, wanted, strict=True):
-            if want and name in direct_fds:
-                direct_jobs.append((direct_fds[name], fds[name], run))
-            else:
-                rest.append((name, run))
+        direct_runs, rest = split_direct(directory, jobs, wanted, fds, direct_fds)
+        direct_jobs.extend(direct_runs)
         work.extend(lanes(rest, threads, lambda job: job[1].end - job[1].offset))
         # From here the runs live in the lanes and the direct jobs only, and go with the threads that take
         # them. Still listed here, 10^4 pieces would be freed with this frame on the event loop's thread:
@@ -470,10 +462,7 @@ async def read_into(
         if direct_jobs:
             pipeline = DirectReads(direct_jobs, direct_threads, finish_direct)
             direct_jobs.clear()  # (the pipeline has them: see jobs.clear above)
-            with checker_cpus(1) if checkers else nullcontext() as finisher_cpu:  # on the loop's thread
-                cpu = finisher_cpu[0] if finisher_cpu else None
-                readers = [partial(pipeline.read, cpu=cpu)] * pipeline.readers
-                await run_each([*readers, partial(pipeline.finish, cpu=cpu)], limiter)
+            await pipeline.run(checkers, limiter)
         if work:
             with checker_cpus(len(work)) if checkers else nullcontext() as cpus:  # on the loop's thread
                 await run_workers(worker, len(work), limiter)
