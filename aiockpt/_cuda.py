@@ -28,6 +28,8 @@ from typing import TypeVar
 
 import torch
 
+from ._pages import private_mappings, touched_mapping
+
 T = TypeVar("T")
 
 
@@ -183,24 +185,27 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
 
     ``torch.empty(..., pin_memory=True)`` rounds every block up to a power of two and keeps freed
     blocks cached for reuse, never unlocking them: a 2.1 GiB staging buffer holds 4 GiB of locked
-    memory for the rest of the process. This registers exactly ``nbytes`` (rounded up to whole pages) of
-    anonymous memory instead, unregistered and unmapped once the last view of the tensor is gone. Where
-    registering fails (a platform without it, or no memory left to lock), or on Windows, it falls back
-    to torch's allocator. On an H100 machine, 2.1 GiB took 1.29-1.35 s to register and 0.38-0.45 s to
-    free, where torch's allocator took 2.06 s (for its 4 GiB block); copies from the device ran at
-    55 GB/s into both.
+    memory for the rest of the process. This registers exactly ``nbytes`` of a
+    :func:`~aiockpt._pages.touched_mapping` instead (2 MiB-aligned, huge pages where the kernel gives
+    them, touched before it is registered), unregistered and unmapped once the last view of the tensor
+    is gone. Where registering fails (a platform without it, or no memory left to lock), or on Windows,
+    it falls back to torch's allocator, which took 2.06 s for 2.1 GiB on an H100 machine (a 4 GiB block).
+
+    Registering untouched pages faults them in inside the driver's pinning, under the process's
+    ``mmap_lock``: on two H100 machines (``python -m benchmarks.pinned``), while 2.1 GiB of untouched
+    4 KiB pages were registered, a 64 KiB ``mmap`` on the event loop's thread (what starting a worker
+    thread does) waited 588-939 ms; with huge pages touched first, 0.4-1.9 ms (the two were not
+    measured apart). Made and registered in 0.50-0.74 s against 0.63-1.01 s, freed in 0.07-0.15 s
+    against 0.08-0.28 s; copies from the device ran at 51-55 GB/s into both, and direct writes from
+    them alike.
 
     Blocking (registering locks every page): call it in a worker thread, with the device current that
     the copies will use (see :func:`current`).
     """
-    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings by that name
+    if not private_mappings():  # Windows
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    # Private (Python's default for anonymous memory is shared), and not inherited by a forked child:
-    # a child (a data loader's worker) would otherwise share pages the device writes into, or copy them.
-    locked = _Locked(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_DONTFORK"):
-        locked.madvise(mmap.MADV_DONTFORK)
-    buffer = torch.frombuffer(locked, dtype=torch.uint8)
+    locked, skip = touched_mapping(nbytes, _Locked)
+    buffer = torch.frombuffer(locked, dtype=torch.uint8, count=nbytes, offset=skip)
     address, device = buffer.data_ptr(), torch.cuda.current_device()
     register = torch.cuda.cudart().cudaHostRegister  # type: ignore[no-untyped-call]
     if not _in_own_thread(device, lambda: register(address, nbytes, _REGISTER_PORTABLE)):

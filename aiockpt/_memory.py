@@ -18,13 +18,8 @@ import torch
 
 from ._cuda import pinned_empty
 from ._errors import BusyError
-from ._fs import libc_function
-from ._runs import DIRECT_ALIGN, RUN_BYTES, address_of
-
-# madvise(2) through ctypes, which lets go of the GIL during the call (``mmap.madvise`` does not).
-MADVISE = None
-if os.name == "posix":
-    MADVISE = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+from ._pages import private_mappings, touched_mapping
+from ._runs import DIRECT_ALIGN, RUN_BYTES
 
 _EMPTY = memoryview(bytearray(0))
 
@@ -93,56 +88,25 @@ def page_aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
-# A transparent huge page on x86-64 (and arm64 with 4 KiB pages): the unit :func:`direct_buffer` aligns to.
-HUGE_PAGE = 2 << 20
-
-
 def direct_buffer(nbytes: int) -> tuple[mmap.mmap, memoryview]:
     """``nbytes`` (> 0) of page-aligned anonymous memory for ``O_DIRECT`` transfers, and its mapping.
 
-    Private, 2 MiB-aligned and advised ``MADV_HUGEPAGE``: where the kernel backs it with transparent huge
-    pages it is physically contiguous per 2 MiB, and a direct write moves it in few, large segments. From
-    memory of scattered 4 KiB pages each device request carries at most its queue's ``max_segments``
+    A :func:`~aiockpt._pages.touched_mapping`: private, touched, not inherited by a forked child, and
+    2 MiB-aligned and advised ``MADV_HUGEPAGE``, so that a direct write moves it in few, large segments.
+    From memory of scattered 4 KiB pages each device request carries at most its queue's ``max_segments``
     pages (254 here, 1 MiB): 2 GiB written with ``O_DIRECT`` from 3 bounce buffers of 8 MiB took
     0.95-1.04 s from private 4 KiB pages, 0.62-0.75 s from shared ones (Python's default for anonymous
     memory), 0.51-0.63 s from huge pages, against 0.49-0.53 s from a single 2 GiB copy (same rounds).
-    Where huge pages are not given (the advice is missing, or ``never``), ordinary pages serve. Not
-    inherited by a forked child (``MADV_DONTFORK``), which would otherwise share pages a direct read
-    writes into, as for pinned buffers (see ``_cuda.pinned_empty``). The view must be released before
-    the mapping is closed.
-
-    Every page is touched here, by the calling thread. A direct read into pages never touched faults
-    them in inside the kernel's ``get_user_pages``, which holds the process's ``mmap_lock`` meanwhile
-    (on a VM that hands idle memory back to its host, and with huge pages to assemble, tens of ms): any
-    ``mmap`` or ``mprotect`` by another thread waits for it, such as the event loop's thread starting a
-    worker thread. The first 2 GiB load of a new process so had loop wakes 13-40 ms late in 4 of 5 runs
-    (seen in ``/proc``: the loop's thread blocked in ``mmap`` and ``mprotect`` while a reader was in a
-    direct read); with the pages touched here, none over 4 ms in 5. A plain page fault locks only the
-    faulting mapping. The advice goes through ``ctypes``, which lets go of the GIL: ``mmap.madvise``
-    holds it while it too waits for ``mmap_lock``.
+    Touched because a direct read into untouched pages faulted them in under ``mmap_lock``: the first
+    2 GiB load of a new process so had loop wakes 13-40 ms late in 4 of 5 runs (seen in ``/proc``: the
+    loop's thread blocked in ``mmap`` and ``mprotect`` while a reader was in a direct read); with the
+    pages touched, none over 4 ms in 5. The view must be released before the mapping is closed.
     """
-    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: no private anonymous mappings by that name
+    if not private_mappings():  # Windows
         raw = mmap.mmap(-1, nbytes)
         return raw, memoryview(raw)
-    raw = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    view = memoryview(raw)
-    base = address_of(view)
-    skip = -base % HUGE_PAGE  # a multiple of the page size: mappings start at a page
-    if hasattr(mmap, "MADV_DONTFORK"):
-        _advise(raw, base, 0, len(view), mmap.MADV_DONTFORK)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        _advise(raw, base, skip, nbytes, mmap.MADV_HUGEPAGE)
-    ctypes.memset(base + skip, 0, nbytes)  # (a foreign call: the GIL is let go of)
-    return raw, view[skip : skip + nbytes]
-
-
-def _advise(raw: mmap.mmap, base: int, start: int, length: int, advice: int) -> None:
-    """``madvise`` of ``length`` bytes from ``start`` in ``raw`` (mapped at ``base``), without the GIL."""
-    if MADVISE is None:
-        raw.madvise(advice, start, length)
-    elif MADVISE(base + start, length, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+    raw, skip = touched_mapping(nbytes, mmap.mmap)
+    return raw, memoryview(raw)[skip : skip + nbytes]
 
 
 class BouncePool:
@@ -282,8 +246,8 @@ class StagingPool:
             and unlocked once dropped (``_cuda.pinned_empty``): for a long-lived pool, which reuses its
             buffers and whose budget must be the memory really held. Otherwise torch's caching pinned
             allocator serves them, which rounds each up to a power of two and keeps it, once freed, for
-            the process's next allocation (registering 2.1 GiB took 1.3 s on an H100 machine: a
-            pool per one-shot save would pay that every time).
+            the process's next allocation (making and registering 2.1 GiB took 0.50-0.74 s on an
+            H100 machine: a pool per one-shot save would pay that every time).
     """
 
     def __init__(self, budget: int | None = None, *, wait: bool = True, own_pinned: bool = False) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
+import mmap
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -304,6 +306,22 @@ def mapping_at(address: int) -> tuple[int, str, list[str]] | None:
         elif found is not None and head == "VmFlags:":
             return (*found, fields[1:])
     return None
+
+
+def resident_memory(address: int, nbytes: int) -> bytes | None:
+    """mincore(2) of ``nbytes`` of this process's memory from ``address`` (page-aligned), or ``None``.
+
+    One byte per page, nonzero where the page is resident (touched); ``None`` where it cannot be told.
+    """
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = ctypes.create_string_buffer(-(-nbytes // mmap.PAGESIZE))
+    if mincore(address, nbytes, vec) != 0:
+        return None
+    return vec.raw
 
 
 # --- File system ----------------------------------------------------------------------------------------

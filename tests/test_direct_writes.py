@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import mmap
@@ -16,11 +15,12 @@ import anyio
 import crc32c
 import pytest
 import torch
-from conftest import assert_tree_equal, evict, mapping_at, resident_pages
+from conftest import assert_tree_equal, evict, mapping_at, resident_memory, resident_pages
 
 import aiockpt
 from aiockpt import IOConfig, StorageError, _memory
-from aiockpt._memory import HUGE_PAGE, PAGE, BouncePool, BounceSlots, StagingPool, byte_view, direct_buffer
+from aiockpt._memory import PAGE, BouncePool, BounceSlots, StagingPool, byte_view, direct_buffer
+from aiockpt._pages import HUGE_PAGE
 from aiockpt._runs import DIRECT_ALIGN, Piece, address_of, direct_parts, group, write_direct
 from aiockpt._save._write import Checksums, Direct
 from aiockpt._threads import Aborted
@@ -207,24 +207,11 @@ def test_staging_buffers_start_at_a_page() -> None:
     pool.close()
 
 
-def _resident(address: int, nbytes: int) -> bytes | None:
-    """mincore(2) of ``nbytes`` of this process's memory from ``address`` (page-aligned), or ``None``."""
-    try:
-        mincore = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    vec = ctypes.create_string_buffer(-(-nbytes // PAGE))
-    if mincore(address, nbytes, vec) != 0:
-        return None
-    return vec.raw
-
-
 def test_direct_buffers_are_touched_by_the_thread_that_makes_them() -> None:
     """A direct read into untouched pages faults them in under the mmap lock, stalling other threads' mmap."""
     raw, view = direct_buffer(3 * HUGE_PAGE + 5)
     try:
-        pages = _resident(address_of(view), len(view))
+        pages = resident_memory(address_of(view), len(view))
         if pages is None:
             pytest.skip("mincore is not available here")
         assert all(pages), f"{pages.count(0)} of {len(pages)} pages not touched"

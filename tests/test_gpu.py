@@ -28,6 +28,7 @@ from conftest import (
     make_optimizer,
     mapping_at,
     random_tensor,
+    resident_memory,
     snapshot,
     tensor_at,
     tensors_in,
@@ -36,6 +37,7 @@ from conftest import (
 
 import aiockpt
 import aiockpt.sync
+from aiockpt._pages import HUGE_PAGE
 
 from distributed_util import run_world
 
@@ -178,9 +180,11 @@ class _FakeCudart:
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.calls: list[tuple[str, int, int]] = []
+        self.resident: bytes | None = None  # which pages were touched when registered (mincore)
 
     def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
         self.calls.append(("register", address, size))
+        self.resident = resident_memory(address, size)
         return self.cudaError.memory_allocation if self.fail else self.cudaError.success
 
     def cudaHostUnregister(self, address: int) -> int:
@@ -217,13 +221,18 @@ def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_la
     assert buf.numel() == n
     assert buf.dtype == torch.uint8
     assert fake.calls == [("register", buf.data_ptr(), n)]
-    if sys.platform == "linux":  # a private mapping of its own that a forked child does not inherit
+    # Registering untouched pages faults them in under the process's mmap_lock, stalling the event
+    # loop's thread should it map memory meanwhile (start a worker thread): they are touched before.
+    if fake.resident is not None:
+        assert all(fake.resident), f"{fake.resident.count(0)} of {len(fake.resident)} pages not touched"
+    if sys.platform == "linux":  # private, huge pages where given, not inherited by a forked child
+        assert buf.data_ptr() % HUGE_PAGE == 0
         mapping = mapping_at(buf.data_ptr())
         assert mapping is not None
-        start, perms, flags = mapping
-        assert start == buf.data_ptr()
+        _, perms, flags = mapping
         assert perms.endswith("p")
         assert "dc" in flags
+        assert "hg" in flags
     buf.fill_(7)
     view = buf[n - 10 :]
     del buf

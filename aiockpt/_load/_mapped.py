@@ -31,7 +31,8 @@ from typing import cast
 import torch
 
 from .._format import TensorEntry
-from .._memory import MADVISE, contiguous_strides
+from .._memory import contiguous_strides
+from .._pages import MADVISE
 from .._runs import address_of
 
 # Tensors smaller than this are read into shared slabs (see ``_match._Slabs``): mapping each of them
