@@ -17,7 +17,7 @@ from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._interop import detect, load_foreign, read_foreign
 from ._load import run_load, run_read
-from ._memory import StagingPool
+from ._memory import ONE_SHOT_PINNED, StagingPool
 from ._options import IOConfig
 from ._runner import start_background
 from ._save import SaveRequest, run_save
@@ -117,7 +117,7 @@ async def save(
         io=io or IOConfig(),
     )
     handle = SaveHandle(path=str(req.path), step=None)
-    pool = StagingPool()
+    pool = StagingPool(pinned_from=ONE_SHOT_PINNED)
     world = LocalWorld() if not use_collectives else await resolve_world(process_group, collective_timeout)
 
     async def body(report: Callable[[SaveState], None]) -> Metadata:

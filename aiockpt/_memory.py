@@ -209,6 +209,65 @@ def _unmap(buffer: tuple[mmap.mmap, memoryview]) -> None:
         raw.close()
 
 
+class PinnedKeeper:
+    """Pinned staging buffers of one-shot saves, kept for the process's next one-shot save. Thread-safe.
+
+    A one-shot :func:`aiockpt.save` of GPU tensors stages them in page-locked memory. torch's caching
+    pinned allocator, which served them before, rounds each block up to a power of two and keeps it for
+    the process; on an H100 machine its first block for 2.1 GiB took 1.99 s to make, and an ``mmap`` on
+    the event loop's thread (what starting a worker thread does) waited 1.88 s of it (the driver holds
+    the process's ``mmap_lock`` meanwhile). :func:`pinned_empty` made the same in 0.43-0.78 s with such
+    waits of about 1 ms, and holds exactly the bytes asked. The last ``keep`` buffers given back are
+    kept, each for a later save of exactly its size (as a state saved again is); older ones are unlocked
+    and freed.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._kept: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._orphans: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A kept buffer of exactly ``nbytes``, else a new one. Blocking: call it in a worker thread."""
+        with self._lock:
+            for i, buf in enumerate(self._kept):
+                if buf.numel() == nbytes:
+                    return self._kept.pop(i)
+        return pinned_empty(nbytes)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Keep ``buf`` (from :meth:`take`, no longer in use); free the oldest beyond ``keep``. Blocking."""
+        with self._lock:
+            self._kept.append(buf)
+            dropped = self._kept[: max(0, len(self._kept) - self.keep)]
+            del self._kept[: len(dropped)]
+        dropped.clear()  # unlocked and unmapped here, outside the lock
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the buffers kept."""
+        with self._lock:
+            return sum(b.numel() for b in self._kept)
+
+    def forget(self) -> None:
+        """In a forked child: hand none of the kept buffers out (``MADV_DONTFORK`` left them unmapped).
+
+        They are not freed either: that would unregister them with CUDA, which a forked child cannot
+        use. The lock is made anew: another thread of the parent may have held it at the fork.
+        """
+        self._lock = threading.Lock()
+        self._orphans.extend(self._kept)
+        self._kept = []
+
+
+# One-shot saves' pinned staging buffers (see PinnedKeeper): two kept, for a state saved again and, say,
+# a second state saved beside it.
+ONE_SHOT_PINNED = PinnedKeeper(keep=2)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=ONE_SHOT_PINNED.forget)
+
+
 def cuda_available() -> bool:
     """Whether CUDA paths (pinned staging, device copies) can be used in this process."""
     return torch.cuda.is_available()
@@ -244,16 +303,26 @@ class StagingPool:
         wait: Whether a claim that does not fit now waits (otherwise it raises :class:`BusyError`).
         own_pinned: Pinned buffers are page-locked memory of the pool's own, exactly as large as claimed
             and unlocked once dropped (``_cuda.pinned_empty``): for a long-lived pool, which reuses its
-            buffers and whose budget must be the memory really held. Otherwise torch's caching pinned
-            allocator serves them, which rounds each up to a power of two and keeps it, once freed, for
-            the process's next allocation (making and registering 2.1 GiB took 0.50-0.74 s on an
-            H100 machine: a pool per one-shot save would pay that every time).
+            buffers and whose budget must be the memory really held.
+        pinned_from: Otherwise, pinned buffers are taken from this keeper and given back to it when the
+            pool is closed: for a pool per one-shot save, which would otherwise make its buffer anew
+            every time (0.43-0.78 s for 2.1 GiB on an H100 machine). Without either, torch's caching
+            pinned allocator serves them.
     """
 
-    def __init__(self, budget: int | None = None, *, wait: bool = True, own_pinned: bool = False) -> None:
+    def __init__(
+        self,
+        budget: int | None = None,
+        *,
+        wait: bool = True,
+        own_pinned: bool = False,
+        pinned_from: PinnedKeeper | None = None,
+    ) -> None:
         self.budget = budget
         self.wait = wait
         self.own_pinned = own_pinned
+        self.pinned_from = pinned_from
+        self._lent: list[torch.Tensor] = []  # the buffers ``pinned_from`` lent, given back on close
         self._free: list[torch.Tensor] = []
         self._in_use = 0
         self._lock = threading.Lock()
@@ -316,6 +385,11 @@ class StagingPool:
         pinned = claim.pinned and cuda_available()
         if pinned and self.own_pinned:
             return pinned_empty(claim.nbytes)  # page-aligned: a mapping of its own
+        if pinned and self.pinned_from is not None:
+            buf = self.pinned_from.take(claim.nbytes)  # page-aligned too
+            with self._lock:
+                self._lent.append(buf)
+            return buf
         raw = torch.empty(claim.nbytes + PAGE, dtype=torch.uint8, pin_memory=pinned)
         return page_aligned(raw, claim.nbytes)
 
@@ -377,4 +451,10 @@ class StagingPool:
         with self._lock:
             self._closed = True
             free, self._free = self._free, []
+            lent, self._lent = self._lent, []
+        if self.pinned_from is not None:
+            for buf in free:
+                if any(buf is b for b in lent):
+                    self.pinned_from.give(buf)
+        lent.clear()
         free.clear()

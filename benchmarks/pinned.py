@@ -8,7 +8,9 @@ registers a fresh mapping of untouched 4 KiB pages, and the driver faults them i
 process's ``mmap_lock``. Each is made ``--rounds`` times (in the order A B B A ..., a new buffer each
 time) in a worker thread, while the event loop's thread maps and unmaps 64 KiB every millisecond (what
 starting a worker thread does) and times each such call; then a device-to-host copy into the buffer is
-timed, and freeing it. Needs a CUDA device.
+timed, and freeing it. Last, once, the same for torch's caching pinned allocator (what a one-shot
+``aiockpt.save`` stages into): its first block of the size, since later ones come from its cache.
+Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def _untouched_registered(nbytes: int) -> torch.Tensor:
         raise RuntimeError(f"cudaHostRegister of {nbytes:,} bytes failed")
     locked.address, locked.device = address, device
     return buffer
+
+
+def _torch_pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 _WAYS: dict[str, Callable[[int], torch.Tensor]] = {
@@ -112,6 +118,11 @@ async def _main(args: argparse.Namespace) -> None:
             buffer = await _made(_WAYS[name], nbytes, ways[name])
             _copied_and_freed(buffer, source, ways[name])
             del buffer
+    torchs = "torch's caching allocator (first block; 1 round)"
+    ways[torchs] = _Way()
+    buffer = await _made(_torch_pinned, nbytes, ways[torchs])
+    _copied_and_freed(buffer, source, ways[torchs])
+    del buffer
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     print(
         f"| {nbytes / 2**30:.2f} GiB, {args.rounds} rounds: min-max (median) | made and registered, s "
