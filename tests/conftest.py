@@ -7,6 +7,7 @@ import math
 import mmap
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -322,6 +323,19 @@ def resident_memory(address: int, nbytes: int) -> bytes | None:
     if mincore(address, nbytes, vec) != 0:
         return None
     return vec.raw
+
+
+def assert_child_exits_cleanly(pid: int, timeout: float = 20.0) -> None:
+    """Wait (boundedly) for the forked child ``pid``; it must exit with status 0, not die of a signal."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.01)
+    assert os.WIFEXITED(status), f"the child died of signal {os.WTERMSIG(status)}"
+    assert os.WEXITSTATUS(status) == 0
 
 
 # --- File system ----------------------------------------------------------------------------------------

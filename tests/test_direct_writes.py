@@ -15,7 +15,14 @@ import anyio
 import crc32c
 import pytest
 import torch
-from conftest import assert_tree_equal, evict, mapping_at, resident_memory, resident_pages
+from conftest import (
+    assert_child_exits_cleanly,
+    assert_tree_equal,
+    evict,
+    mapping_at,
+    resident_memory,
+    resident_pages,
+)
 
 import aiockpt
 from aiockpt import IOConfig, StorageError, _memory
@@ -284,15 +291,7 @@ def test_a_forked_child_gets_new_bounce_buffers_not_the_parents_unmapped_ones() 
             code = 0 if view[-1] == 1 else 2
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        assert time.monotonic() < deadline, "the child did not exit"
-        time.sleep(0.01)
-    assert os.WIFEXITED(status), f"the child died of signal {os.WTERMSIG(status)}"
-    assert os.WEXITSTATUS(status) == 0
+    assert_child_exits_cleanly(pid)
     assert _memory.BOUNCE.take(1) == buffer  # the parent still has it
 
 

@@ -14,7 +14,6 @@ import gc
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 from conftest import (
+    assert_child_exits_cleanly,
     assert_tree_equal,
     dtype_params,
     get_dtype,
@@ -465,15 +465,7 @@ def test_a_forked_child_makes_its_own_one_shot_pinned_buffers(monkeypatch: pytes
         finally:
             os._exit(code)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            assert time.monotonic() < deadline, "the child did not exit"
-            time.sleep(0.01)
-        assert os.WIFEXITED(status), f"the child died of signal {os.WTERMSIG(status)}"
-        assert os.WEXITSTATUS(status) == 0
+        assert_child_exits_cleanly(pid)
     finally:
         again = ONE_SHOT_PINNED.take(n)  # the parent still has it; freed with the fake in place
     assert again.data_ptr() == address
