@@ -192,12 +192,12 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     it falls back to torch's allocator, which took 2.06 s for 2.1 GiB on an H100 machine (a 4 GiB block).
 
     Registering untouched pages faults them in inside the driver's pinning, under the process's
-    ``mmap_lock``: on two H100 machines (``python -m benchmarks.pinned``), while 2.1 GiB of untouched
-    4 KiB pages were registered, a 64 KiB ``mmap`` on the event loop's thread (what starting a worker
-    thread does) waited 588-939 ms; with huge pages touched first, 0.4-1.9 ms (the two were not
-    measured apart). Made and registered in 0.50-0.74 s against 0.63-1.01 s, freed in 0.07-0.15 s
-    against 0.08-0.28 s; copies from the device ran at 51-55 GB/s into both, and direct writes from
-    them alike.
+    ``mmap_lock``: on three H100 machines (``python -m benchmarks.pinned`` and a forerunner), while
+    2.1 GiB of untouched 4 KiB pages were registered, a 64 KiB ``mmap`` on the event loop's thread (what
+    starting a worker thread does) waited 588-939 ms; with huge pages touched first, 0.4-1.9 ms (the
+    two were not measured apart). Made and registered in 0.43-0.74 s against 0.63-1.01 s, freed in
+    0.06-0.15 s against 0.07-0.28 s; copies from the device ran at 51-55 GB/s into both, and direct
+    writes from them alike.
 
     Blocking (registering locks every page): call it in a worker thread, with the device current that
     the copies will use (see :func:`current`).

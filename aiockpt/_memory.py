@@ -216,7 +216,7 @@ class PinnedKeeper:
     pinned allocator, which served them before, rounds each block up to a power of two and keeps it for
     the process; on an H100 machine its first block for 2.1 GiB took 1.99 s to make, and an ``mmap`` on
     the event loop's thread (what starting a worker thread does) waited 1.88 s of it (the driver holds
-    the process's ``mmap_lock`` meanwhile). :func:`pinned_empty` made the same in 0.43-0.78 s with such
+    the process's ``mmap_lock`` meanwhile). :func:`pinned_empty` made the same in 0.43-0.74 s with such
     waits of about 1 ms, and holds exactly the bytes asked. The last ``keep`` buffers given back are
     kept, each for a later save of exactly its size (as a state saved again is); older ones are unlocked
     and freed.
@@ -306,7 +306,7 @@ class StagingPool:
             buffers and whose budget must be the memory really held.
         pinned_from: Otherwise, pinned buffers are taken from this keeper and given back to it when the
             pool is closed: for a pool per one-shot save, which would otherwise make its buffer anew
-            every time (0.43-0.78 s for 2.1 GiB on an H100 machine). Without either, torch's caching
+            every time (0.43-0.74 s for 2.1 GiB on an H100 machine). Without either, torch's caching
             pinned allocator serves them.
     """
 
