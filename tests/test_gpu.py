@@ -208,6 +208,18 @@ def _asks_torch_for_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> list[dict[
     return asked
 
 
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> _FakeCudart:
+    """Registration calls faked (there is no CUDA), and pinned staging asked for as if there were."""
+    from aiockpt import _memory
+
+    fake = _FakeCudart(fail)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(_memory, "cuda_available", lambda: True)
+    return fake
+
+
 def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_last_view_dies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -215,10 +227,7 @@ def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_la
     # unregistered once (not before the last view of the tensor is gone, and before they are unmapped).
     from aiockpt import _cuda
 
-    fake = _FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    fake = _fake_cuda(monkeypatch)
     n = 3 * 2**20 + 5  # torch's pinned allocator would take 4 MiB
     buf = _cuda.pinned_empty(n)
     assert buf.numel() == n
@@ -248,7 +257,7 @@ def test_pinned_buffer_is_exactly_as_large_as_asked_and_unregistered_when_its_la
     assert fake.calls[1][1] == fake.calls[0][1]
 
     # Where registering fails, torch's own pinned allocator is used (here: faked, as there is no CUDA).
-    fake = _FakeCudart(fail=True)
+    fake = _fake_cuda(monkeypatch, fail=True)
     asked = _asks_torch_for_pinned_memory(monkeypatch)
     buf = _cuda.pinned_empty(n)
     assert buf.numel() == n
@@ -392,18 +401,6 @@ async def test_staging_buffer_is_as_large_as_the_state_and_not_torch_cached_pinn
         if stats:
             assert stats()["allocated_bytes.current"] == before, "not from torch's caching host allocator"
     assert not ckpt._pool._free
-
-
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCudart:
-    """Registration calls faked (there is no CUDA), and pinned staging asked for as if there were."""
-    from aiockpt import _memory
-
-    fake = _FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(_memory, "cuda_available", lambda: True)
-    return fake
 
 
 async def test_one_shot_pools_borrow_pinned_buffers_of_exact_size_from_a_keeper(
