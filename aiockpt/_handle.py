@@ -30,6 +30,9 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
         manifest_crc32c: Checksum of the manifest body.
         timings: Seconds spent in each phase: ``stage``, ``local_plan``, ``global_plan``, ``write``,
             ``finish``.
+        written_bytes: Bytes this rank wrote to data files.
+        direct_bytes: Of ``written_bytes``, those written with ``O_DIRECT`` (see
+            :attr:`SaveMetrics.direct_bytes`).
     """
 
     path: str
@@ -41,6 +44,8 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float
     manifest_crc32c: int
     timings: dict[str, float]
+    written_bytes: int = 0
+    direct_bytes: int = 0
 
 
 class SaveState(enum.Enum):
@@ -69,6 +74,9 @@ class SaveMetrics:
         nbytes: Tensor bytes in the state.
         staged_bytes: Bytes copied into staging buffers.
         written_bytes: Bytes this rank wrote to data files.
+        direct_bytes: Of ``written_bytes``, those written with ``O_DIRECT`` (``IOConfig.direct_writes``),
+            around the page cache; the rest went through it (small blocks, unaligned ends, and every
+            byte where the file system or the memory refused direct I/O).
     """
 
     seconds: dict[str, float] = field(default_factory=dict)
@@ -77,6 +85,7 @@ class SaveMetrics:
     nbytes: int = 0
     staged_bytes: int = 0
     written_bytes: int = 0
+    direct_bytes: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _mark: float = field(default=0.0, repr=False)
 

@@ -8,7 +8,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -25,8 +25,8 @@ from conftest import (
 )
 
 import aiockpt
-from aiockpt import IOConfig, StorageError, _memory
-from aiockpt._memory import PAGE, BouncePool, BounceSlots, StagingPool, byte_view, direct_buffer
+from aiockpt import IOConfig, SaveMetrics, StorageError, _memory
+from aiockpt._memory import PAGE, BouncePool, BounceSlots, StagingPool, byte_view, direct_buffer, nbytes_of
 from aiockpt._pages import HUGE_PAGE
 from aiockpt._runs import DIRECT_ALIGN, Piece, address_of, direct_parts, group, write_direct
 from aiockpt._save._write import Checksums, Direct
@@ -84,11 +84,34 @@ def evictable(direct_dir: Path) -> Path:
     return direct_dir
 
 
-async def _async_save(root: Path, saved: dict[str, object], io: IOConfig) -> Path:
+async def _async_save(root: Path, saved: Mapping[str, object], io: IOConfig) -> tuple[Path, SaveMetrics]:
     async with aiockpt.Checkpointer(root, io=io) as ckpt:
         handle = await ckpt.save(saved, step=1, async_op=True)
         await handle
-    return root / "step-00000001"
+    return root / "step-00000001", handle.metrics
+
+
+async def _save(path: Path, saved: Mapping[str, object], io: IOConfig, *, async_op: bool) -> tuple[Path, int]:
+    """``saved`` saved at ``path`` (a Checkpointer's root if ``async_op``); returns its checkpoint
+    directory and the bytes it wrote with O_DIRECT, as its metrics tell them."""
+    if async_op:
+        ckpt, metrics = await _async_save(path, saved, io)
+        assert metrics.written_bytes == (ckpt / DATA).stat().st_size
+        return ckpt, metrics.direct_bytes
+    with anyio.fail_after(20):
+        metadata = await aiockpt.save(saved, path, io=io)
+    assert metadata.written_bytes == (path / DATA).stat().st_size
+    return path, metadata.direct_bytes
+
+
+def _page_floor(saved: Mapping[str, object], *keys: str) -> int:
+    """The bytes of tensors ``saved[key]`` that a direct write takes: each one's to its last whole page."""
+    total = 0
+    for key in keys:
+        t = saved[key]
+        assert isinstance(t, torch.Tensor)
+        total += nbytes_of(t) // PAGE * PAGE
+    return total
 
 
 # -- runs ------------------------------------------------------------------------------------------------
@@ -336,19 +359,17 @@ async def test_saves_write_their_large_tensors_around_the_page_cache(
     """Staged (page-aligned buffer) or from the tensors' own memory (through bounce buffers) alike."""
     saved = state()
     io = IOConfig(threads=2, checksum_block=1 << 18, direct_writes=direct)
-    if async_op:
-        path = await _async_save(evictable / "run", saved, io)
-    else:
-        path = evictable / "ckpt"
-        await aiockpt.save(saved, path, io=io)
+    path, direct_bytes = await _save(evictable / "run", saved, io, async_op=async_op)
     data = path / DATA
     pages = -(-data.stat().st_size // PAGE)
     cached = _cached_pages(data)
     if direct:
         # Only the small tensors (under 2 KiB in all) and the mid-page ends of "odd" and "bf16".
         assert cached <= 4, f"{cached} of {pages} pages cached"
+        assert direct_bytes == _page_floor(saved, "big", "odd", "bf16")
     else:
         assert cached >= pages - 2, f"{cached} of {pages} pages cached"
+        assert direct_bytes == 0
     assert_tree_equal(await aiockpt.read(path), saved)
     assert (await aiockpt.verify(path)).ok
 
@@ -356,10 +377,10 @@ async def test_saves_write_their_large_tensors_around_the_page_cache(
 async def test_small_blocks_go_through_the_page_cache_even_where_aligned(evictable: Path) -> None:
     """4 KiB tensors lie at page-aligned offsets, but copying them one by one would hold the GIL."""
     saved = {f"t{i}": torch.full((1024,), float(i)) for i in range(64)}
-    path = evictable / "ckpt"
-    await aiockpt.save(saved, path, io=IO)
+    path, direct_bytes = await _save(evictable / "ckpt", saved, IO, async_op=False)
     data = path / DATA
     assert _cached_pages(data) == -(-data.stat().st_size // PAGE)
+    assert direct_bytes == 0
     assert_tree_equal(await aiockpt.read(path), saved)
 
 
@@ -408,13 +429,9 @@ async def test_refused_direct_writes_are_written_buffered(
     """From tensor memory, the preparer has filled every bounce buffer when the first write is refused."""
     calls = _spy_pwritev(monkeypatch, _raise(code))
     saved = {**state(), "w": torch.randn(10 << 20)}  # 40 MiB: five runs, more than the bounce buffers
-    if async_op:
-        path = await _async_save(direct_dir / "run", saved, IO)
-    else:
-        path = direct_dir / "ckpt"
-        with anyio.fail_after(20):
-            await aiockpt.save(saved, path, io=IO)
+    path, direct_bytes = await _save(direct_dir / "run", saved, IO, async_op=async_op)
     assert 1 <= len(calls) <= 2  # refused once per writer at most, then every run written buffered
+    assert direct_bytes == 0
     assert_tree_equal(await aiockpt.read(path), saved)
     assert (await aiockpt.verify(path)).ok
 
@@ -432,8 +449,10 @@ async def test_a_file_system_that_refuses_o_direct_on_open_gets_every_run_buffer
     monkeypatch.setattr(os, "open", refuse)
     calls = _spy_pwritev(monkeypatch, lambda: None)
     saved = state()
-    path = await _async_save(direct_dir / "run", saved, IO)
+    path, metrics = await _async_save(direct_dir / "run", saved, IO)
     assert not calls
+    assert metrics.direct_bytes == 0
+    assert metrics.written_bytes == (path / DATA).stat().st_size
     assert_tree_equal(await aiockpt.read(path), saved)
 
 

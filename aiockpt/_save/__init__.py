@@ -310,7 +310,7 @@ async def _save(
         # --- write: this rank's chunks
         report(SaveState.WRITING)
         result = await target.write(statuses[0].tmp, plan.ranks[world.rank], staged.sources, req.io)
-        metrics.written_bytes = result.nbytes
+        metrics.written_bytes, metrics.direct_bytes = result.nbytes, result.direct_nbytes
         metrics.phase("write")
         await _give_back(pool, staged, limiter)
 
@@ -366,6 +366,8 @@ async def _save(
         created_at=manifest.created_at,
         manifest_crc32c=crc,
         timings=dict(metrics.seconds),
+        written_bytes=metrics.written_bytes,
+        direct_bytes=metrics.direct_bytes,
     )
     # Neither name may keep the bookkeeping alive once it is handed to the thread that frees it.
     box: list[object] = [staged, plan, result, summary, manifest]

@@ -45,11 +45,16 @@ from ._global_plan import RankPlan
 
 
 class WriteResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """What a rank reports after writing: per write of its plan, the CRC32C of each block."""
+    """What a rank reports after writing: per write of its plan, the CRC32C of each block.
+
+    ``direct_nbytes`` of its ``nbytes`` went to the device with ``O_DIRECT``, the rest through the page
+    cache.
+    """
 
     rank: int
     checksums: tuple[tuple[int, ...], ...]
     nbytes: int
+    direct_nbytes: int = 0
 
 
 def _pieces(plan: RankPlan, sources: Sequence[memoryview], block: int) -> list[Piece]:
@@ -204,6 +209,7 @@ class Direct:
     def __init__(self, path: Path | None, runs: Sequence[Run] = (), slots: int = 1) -> None:
         self._fd = -1
         self.usable = False
+        self.nbytes = 0  # written with O_DIRECT so far (by every writer: added under _cond)
         self._runs = [r for r in runs if r.direct]
         self._slots = BounceSlots(max((r.end - r.offset for r in self._runs), default=0), slots)
         self._ready: dict[int, _Prepared] = {}  # by run.first
@@ -285,19 +291,22 @@ class Direct:
         if prepared is None:
             return False
         iov, tail, slot = prepared
+        written = False
         try:
             write_direct(self._fd, fd, run.offset, iov, tail)
+            written = True
         except OSError as exc:
             if exc.errno not in _REFUSED:
                 raise
             self.usable = False  # refused: the run, and every later one, goes through the page cache
-            return False
         finally:
-            if slot is not None:
-                with self._cond:
+            with self._cond:
+                if written:
+                    self.nbytes += run.end - run.offset - len(tail)
+                if slot is not None:
                     self._slots.give(slot)
                     self._cond.notify_all()
-        return True
+        return written
 
     def close(self) -> None:
         """Close the descriptor and give the bounce buffers back to the shared pool (blocking).
@@ -400,7 +409,7 @@ async def write(
         jobs = [partial(direct_fd.prepare, sums)] if direct_fd.usable else []
         jobs += [partial(write_runs, deque(runs), fd, direct_fd, sums)] * writers
         await run_each(jobs, limiter, lower=bulk)
-        result = await run_sync(partial(_sync_and_report, fd, plan, sums), limiter)
+        result = await run_sync(partial(_sync_and_report, fd, plan, sums, direct_fd), limiter)
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc
     finally:
@@ -421,6 +430,8 @@ def _close(fd: int, direct: Direct) -> None:
         os.close(fd)
 
 
-def _sync_and_report(fd: int, plan: RankPlan, sums: Checksums) -> WriteResult:
+def _sync_and_report(fd: int, plan: RankPlan, sums: Checksums, direct: Direct) -> WriteResult:
     os.fsync(fd)
-    return WriteResult(rank=plan.rank, checksums=sums.by_write(), nbytes=plan.nbytes)
+    return WriteResult(
+        rank=plan.rank, checksums=sums.by_write(), nbytes=plan.nbytes, direct_nbytes=direct.nbytes
+    )
