@@ -7,6 +7,7 @@ import os
 import re
 import time
 import uuid
+import warnings
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, MutableMapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -20,11 +21,13 @@ import anyio
 from ._dist import DEFAULT_TIMEOUT
 from ._errors import (
     BusyError,
+    CheckpointCancelledError,
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptionError,
     SaveSkippedError,
+    StorageError,
 )
 from ._format import Key, part_dir_name
 from ._fs import TMP_PREFIX, collect_garbage, fsync_dir, remove_tree, replace_durable
@@ -56,6 +59,16 @@ async def _exists(path: Location) -> bool:
 def step_dir_name(step: int) -> str:
     """``100`` -> ``step-00000100``."""
     return f"step-{step:08d}"
+
+
+def _listed_steps(root: Path) -> list[int]:
+    """:func:`scan_steps`, its failure a :class:`StorageError` naming ``root``. Blocking."""
+    try:
+        return scan_steps(root)
+    except OSError as exc:
+        raise StorageError(
+            f"cannot list checkpoint root {root}: {exc.strerror or exc}", path=str(root)
+        ) from exc
 
 
 def scan_steps(root: Path) -> list[int]:
@@ -198,6 +211,8 @@ class Checkpointer:
         self._slots: anyio.Semaphore | None = None
         self._commit_lock: anyio.Lock | None = None
         self._opened = False
+        self._opening: anyio.Event | None = None  # set when the open in progress ends (either way)
+        self._closing = False  # aclose() began: no new save starts
         self._closed = False
         self._group = process_group
         self._timeout = collective_timeout
@@ -218,12 +233,30 @@ class Checkpointer:
     # --- Directory state --------------------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Create ``root`` if needed, collect abandoned temp data and index the committed steps."""
+        """Create ``root`` if needed, collect abandoned temp data and index the committed steps.
+
+        Raises:
+            CheckpointError: The Checkpointer is closed.
+            StorageError: ``root`` cannot be made or listed (it is a file, say).
+        """
+        # Concurrent first calls (saves gathered before any ``async with``) wait for one open: each
+        # opening its own would give each save a semaphore of its own, and max_inflight would not hold.
+        while not self._opened:
+            if self._closed:
+                raise CheckpointError(f"the Checkpointer of {self.root} is closed")
+            if self._opening is not None:
+                await self._opening.wait()  # and try again if that open failed
+                continue
+            self._opening = anyio.Event()
+            try:
+                await self._open()
+            finally:
+                opening, self._opening = self._opening, None
+                opening.set()
         if self._closed:
             raise CheckpointError(f"the Checkpointer of {self.root} is closed")
-        if self._opened:
-            return
 
+    async def _open(self) -> None:
         if self._use_collectives:
             self._world = await resolve_world(self._group, self._timeout)
         else:
@@ -236,10 +269,15 @@ class Checkpointer:
         root = self.root
 
         def prepare(root: Path) -> list[int]:
-            root.mkdir(parents=True, exist_ok=True)
-            if coordinator:  # the other ranks would race it
-                collect_garbage(root)
-            return scan_steps(root)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                if coordinator:  # the other ranks would race it
+                    collect_garbage(root)
+                return scan_steps(root)
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot open checkpoint root {root}: {exc.strerror or exc}", path=str(root)
+                ) from exc
 
         if isinstance(root, S3Path):
             self._steps = await _scan_objects(root, collect=coordinator)
@@ -250,13 +288,21 @@ class Checkpointer:
         self._opened = True
 
     async def refresh(self) -> list[int]:
-        """Re-read the committed steps from disk (they may have been written by another process)."""
+        """Re-read the committed steps from disk (they may have been written by another process).
+
+        Raises:
+            StorageError: ``root`` cannot be listed (it was removed, say).
+        """
         await self.open()
         root = self.root
-        if isinstance(root, S3Path):
-            self._steps = await _scan_objects(root, collect=False)
-        else:
-            self._steps = await run_sync(lambda: scan_steps(root))
+        assert self._commit_lock is not None
+        # Under the commit lock: a listing taken before a save of this Checkpointer commits must not
+        # replace the index after that save added its step (`latest` and retention would go by it).
+        async with self._commit_lock:
+            if isinstance(root, S3Path):
+                self._steps = await _scan_objects(root, collect=False)
+            else:
+                self._steps = await run_sync(partial(_listed_steps, root))
         return list(self._steps)
 
     def steps(self) -> list[int]:
@@ -316,6 +362,8 @@ class Checkpointer:
             StorageError: Writing failed; earlier checkpoints are untouched.
         """
         await self.open()
+        if self._closing:
+            raise CheckpointError(f"the Checkpointer of {self.root} is closing")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, not {step!r}")
         path = self.path_of(step)
@@ -323,17 +371,28 @@ class Checkpointer:
         # rank takes the same decision; here only a step in flight on this rank is refused early.
         if (self._world.size == 1 and step in self._steps) or step in self._inflight:
             raise CheckpointExistsError(f"step {step} already exists (or is being saved) at {path}")
-        assert self._slots is not None
-        if self._slots.value == 0 and self.on_busy != "wait":
+        slots = self._slots
+        assert slots is not None
+        if slots.value == 0 and self.on_busy != "wait":
             busy = f"{self.max_inflight} save(s) in flight in {self.root}"
             if self.on_busy == "error":
                 raise BusyError(f"cannot save step {step}: {busy}")
             if async_op:
                 return SaveHandle._skipped(path=str(path), step=step)
             raise SaveSkippedError(f"skipped the save of step {step}: {busy}")
-        await self._slots.acquire()
+        # In flight from here, before the first await: a save of the same step made while this one waits
+        # for a slot is refused above, and aclose() waits for (or cancels) this one too.
         handle = SaveHandle(path=str(path), step=step)
         self._inflight[step] = handle
+        try:
+            with handle._cancellable() as waiting:
+                await slots.acquire()
+        except BaseException:
+            self._abandon(handle)
+            raise
+        if waiting.cancelled_caught:  # aclose(cancel=True) while it waited
+            self._abandon(handle)
+            raise CheckpointCancelledError(f"the save of step {step} was cancelled before it began")
         req = SaveRequest(
             state=state,
             path=path if self._part is None else path / part_dir_name(*self._part),
@@ -354,9 +413,8 @@ class Checkpointer:
                     await self._after_commit(step)
                 return meta
             finally:
-                self._inflight.pop(step, None)
-                assert self._slots is not None
-                self._slots.release()
+                self._forget(handle)
+                slots.release()
 
         try:
             if async_op:
@@ -364,10 +422,21 @@ class Checkpointer:
             await handle._drive(body)
         except BaseException:
             if not handle.done():  # failed before the body ran: give the slot back here
-                self._inflight.pop(step, None)
-                self._slots.release()
+                slots.release()
+                self._abandon(handle)
             raise
         return await handle
+
+    def _forget(self, handle: SaveHandle) -> None:
+        """Take ``handle`` out of the saves in flight (if a later save of its step has not replaced it)."""
+        assert handle.step is not None
+        if self._inflight.get(handle.step) is handle:
+            del self._inflight[handle.step]
+
+    def _abandon(self, handle: SaveHandle) -> None:
+        """End ``handle``, whose save never ran, as cancelled (whoever waits for it, aclose say, goes on)."""
+        self._forget(handle)
+        handle._finish(SaveState.CANCELLED)
 
     async def reserve(self, state: Mapping[str, object]) -> int:
         """Allocate now the staging memory that ``save(state, async_op=True)`` will copy into, and keep it.
@@ -386,9 +455,11 @@ class Checkpointer:
             StateError: The state holds something that cannot be saved (names the key).
             BusyError: ``staging_budget`` cannot hold the buffer (ever, or now with ``on_busy`` other
                 than ``"wait"``).
-            CheckpointError: The Checkpointer is closed.
+            CheckpointError: The Checkpointer is closed (or closing).
         """
         await self.open()
+        if self._closing:
+            raise CheckpointError(f"the Checkpointer of {self.root} is closing")
         return await run_reserve(state, pool=self._pool, allow_pickle=self.allow_pickle, io=self.io)
 
     async def _after_commit(self, step: int) -> None:
@@ -399,12 +470,23 @@ class Checkpointer:
             and not await run_sync(lambda: is_checkpoint(path))
         ):
             return  # collective-free: the rank that publishes the last part completes the step
-        self._steps = sorted({*self._steps, step})
         # Saves may commit concurrently (max_inflight > 1): one at a time updates `latest` and prunes,
-        # each from the index as it is when its turn comes.
+        # each from the index as it is when its turn comes. The step joins the index under the lock
+        # too, so that a refresh listing the root meanwhile cannot drop it again (see refresh).
         assert self._commit_lock is not None
         async with self._commit_lock:
-            await self._publish_and_prune()
+            self._steps = sorted({*self._steps, step})
+            try:
+                await self._publish_and_prune()
+            except Exception as exc:
+                # The step is committed and stays so: `latest` is written again, and what retention
+                # left is pruned, after the next commit (or collected by the next open).
+                warnings.warn(
+                    f"step {step} is committed in {self.root}, but updating `latest` or pruning older "
+                    f"steps failed: {exc}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     async def _publish_and_prune(self) -> None:
         steps = list(self._steps)
@@ -525,21 +607,27 @@ class Checkpointer:
     async def wait(self) -> None:
         """Wait until every save in flight has ended (whatever its outcome)."""
         while self._inflight:
-            step, handle = next(iter(self._inflight.items()))
-            with contextlib.suppress(CheckpointError):
+            handle = next(iter(self._inflight.values()))
+            with contextlib.suppress(Exception):  # its outcome is its caller's (``await handle``)
                 await handle
-            if self._inflight.get(step) is handle:  # ended without reaching its own clean-up
-                del self._inflight[step]
+            self._forget(handle)  # if it ended without reaching its own clean-up
 
     async def aclose(self, *, cancel: bool = False) -> None:
-        """Wait for the saves in flight (or cancel them with ``cancel=True``), then free staging buffers."""
+        """Wait for the saves in flight (or cancel them with ``cancel=True``), then free staging buffers.
+
+        Saves called before still run (or, with ``cancel=True``, are cancelled, also those still waiting
+        for an in-flight slot); a save called once closing has begun raises :class:`CheckpointError`.
+        """
         if self._closed:
             return
-        if cancel:
-            for handle in list(self._inflight.values()):
-                handle.cancel()
-        with anyio.CancelScope(shield=True):
-            await self.wait()
-        self._closed = True
-        with anyio.CancelScope(shield=True):
-            await run_sync(self._pool.close)
+        self._closing = True
+        try:
+            if cancel:
+                for handle in list(self._inflight.values()):
+                    handle.cancel()
+            with anyio.CancelScope(shield=True):
+                await self.wait()
+        finally:
+            self._closed = True
+            with anyio.CancelScope(shield=True):
+                await run_sync(self._pool.close)

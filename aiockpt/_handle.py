@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,7 @@ class SaveHandle:
         self._metadata: Metadata | None = None
         self._error: BaseException | None = None
         self._scope: anyio.CancelScope | None = None
+        self._cancelled = False  # cancel() was called: a scope entered later starts cancelled
 
     def __repr__(self) -> str:
         return f"<SaveHandle step={self.step} path={self.path!r} state={self._state.value}>"
@@ -142,12 +144,20 @@ class SaveHandle:
 
     def cancel(self) -> None:
         """Ask the save to stop. Before the commit point it aborts cleanly; once committing, it completes."""
-        if self._scope is not None and not self.done():
+        if self.done():
+            return
+        self._cancelled = True
+        if self._scope is not None:
             self._scope.cancel()
 
     async def wait(self) -> Metadata:
         """Wait until the save ends; return its metadata or raise its failure (see the class docstring)."""
         await self._done.wait()
+        return self._outcome()
+
+    def _outcome(self) -> Metadata:
+        """The metadata of an ended save, or its failure raised (see :meth:`wait`)."""
+        assert self.done()
         if self._state is SaveState.SKIPPED:
             raise SaveSkippedError(f"the save of step {self.step} was skipped: max_inflight saves were busy")
         if self._state is SaveState.CANCELLED:
@@ -172,6 +182,18 @@ class SaveHandle:
         self._state, self._metadata, self._error = state, metadata, error
         self.metrics.ended()
         self._done.set()
+
+    @contextlib.contextmanager
+    def _cancellable(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope that :meth:`cancel` cancels, also when it was called before the scope began.
+
+        The save runs in one; so does its wait for a free in-flight slot, before it runs.
+        """
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            if self._cancelled:
+                scope.cancel()
+            yield scope
 
     @classmethod
     def _skipped(cls, *, path: str, step: int | None) -> SaveHandle:
@@ -200,8 +222,7 @@ class SaveHandle:
                 started = True
                 task_status.started(self)
 
-        with anyio.CancelScope() as scope:
-            self._scope = scope
+        with self._cancellable() as scope:
             try:
                 metadata = await body(report)
             except anyio.get_cancelled_exc_class():

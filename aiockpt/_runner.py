@@ -23,11 +23,14 @@ class _Runner:
     def __init__(self) -> None:
         self.tg: anyio.abc.TaskGroup | None = None
         self.task: asyncio.Task[None] | None = None
+        # Set once ``tg`` exists. The runner is registered before its task first runs, so a second
+        # save started meanwhile finds it without a task group yet and must wait for this too.
+        self.ready = anyio.Event()
 
-    async def serve(self, ready: anyio.Event) -> None:
+    async def serve(self) -> None:
         async with anyio.create_task_group() as tg:
             self.tg = tg
-            ready.set()
+            self.ready.set()
             await anyio.sleep_forever()
 
 
@@ -42,10 +45,9 @@ async def _runner() -> _Runner:
     runner = _runners.get(loop)
     if runner is None or runner.task is None or runner.task.done():
         runner = _Runner()
-        ready = anyio.Event()
-        runner.task = loop.create_task(runner.serve(ready), name="aiockpt-background-saves")
+        runner.task = loop.create_task(runner.serve(), name="aiockpt-background-saves")
         _runners[loop] = runner
-        await ready.wait()
+    await runner.ready.wait()
     return runner
 
 

@@ -7,6 +7,7 @@ on while the training loop computes. The module-level functions run one operatio
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import threading
@@ -21,6 +22,7 @@ from ._checkpointer import Checkpointer as AsyncCheckpointer
 from ._checkpointer import OnBusy
 from ._cuda import caller, noting
 from ._dist import DEFAULT_TIMEOUT
+from ._errors import CheckpointError
 from ._format import Key
 from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
 from ._options import IOConfig
@@ -32,6 +34,23 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointer", "SyncSaveHandle", "load", "read", "save"]
 
 T = TypeVar("T")
+
+
+def _run(call: Callable[[], Awaitable[T]], name: str) -> T:
+    """``call()`` run to completion in an event loop of its own, on this thread.
+
+    Raises:
+        CheckpointError: This thread runs an event loop already (the caller is a coroutine: it should
+            await the function of the same name in :mod:`aiockpt`).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return anyio.run(call)
+    raise CheckpointError(
+        f"aiockpt.sync.{name} was called from a running event loop, which it would block: "
+        f"await aiockpt.{name}(...) there instead"
+    )
 
 
 def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
@@ -102,8 +121,10 @@ class SyncSaveHandle:
         return self._handle.done()
 
     def cancel(self) -> None:
-        """Ask the save to stop (see :meth:`aiockpt.SaveHandle.cancel`)."""
-        self._portal.call(self._cancel)
+        """Ask the save to stop (see :meth:`aiockpt.SaveHandle.cancel`); nothing once it has ended."""
+        # An ended save needs no portal: it may be stopped already (its Checkpointer closed).
+        if not self._handle.done():
+            self._portal.call(self._cancel)
 
     async def _cancel(self) -> None:
         self._handle.cancel()
@@ -111,10 +132,14 @@ class SyncSaveHandle:
     def result(self, timeout: float | None = None) -> Metadata:
         """Block until the checkpoint is durable and return its metadata.
 
+        Also after the Checkpointer was closed: closing ends every save first.
+
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the save goes on).
             CheckpointError: The save failed, was cancelled or skipped.
         """
+        if self._handle.done():
+            return self._handle._outcome()
         future = self._portal.start_task_soon(self._handle.wait)
         return future.result(timeout)
 
@@ -201,31 +226,29 @@ class Checkpointer:
     ) -> Metadata | SyncSaveHandle:
         """Save ``state`` as ``step``; see :meth:`aiockpt.Checkpointer.save`."""
         if async_op:
-            handle = self._portal.call(
+            handle = self._call(
                 _as_this_thread(lambda: self._ckpt.save(state, step=step, async_op=True, metadata=metadata))
             )
             return SyncSaveHandle(handle, self._portal)
-        return self._portal.call(
-            _as_this_thread(lambda: self._ckpt.save(state, step=step, metadata=metadata))
-        )
+        return self._call(_as_this_thread(lambda: self._ckpt.save(state, step=step, metadata=metadata)))
 
     def reserve(self, state: Mapping[str, object]) -> int:
         """Allocate the staging memory of ``state``'s saves now; see :meth:`aiockpt.Checkpointer.reserve`."""
-        return self._portal.call(_as_this_thread(lambda: self._ckpt.reserve(state)))
+        return self._call(_as_this_thread(lambda: self._ckpt.reserve(state)))
 
     def load(
         self, state: MutableMapping[str, object], *, step: int | None = None, strict: bool = True
     ) -> int | None:
         """Load ``step`` (default: latest) into ``state``; see :meth:`aiockpt.Checkpointer.load`."""
-        return self._portal.call(_as_this_thread(lambda: self._ckpt.load(state, step=step, strict=strict)))
+        return self._call(_as_this_thread(lambda: self._ckpt.load(state, step=step, strict=strict)))
 
     def read(self, step: int | None = None) -> dict[Key, object]:
         """Read ``step`` (default: latest) as a fresh tree; see :meth:`aiockpt.Checkpointer.read`."""
-        return self._portal.call(lambda: self._ckpt.read(step))
+        return self._call(lambda: self._ckpt.read(step))
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return self._portal.call(self._ckpt.refresh)
+        return self._call(self._ckpt.refresh)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None``."""
@@ -233,8 +256,9 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def wait(self) -> None:
-        """Block until every save in flight has ended."""
-        self._portal.call(self._ckpt.wait)
+        """Block until every save in flight has ended (none has once closed)."""
+        if self._thread.is_alive():
+            self._portal.call(self._ckpt.wait)
 
     def close(self, *, cancel: bool = False) -> None:
         """Finish (or cancel) the saves in flight and stop the event-loop thread."""
@@ -244,6 +268,16 @@ class Checkpointer:
             self._portal.call(lambda: self._ckpt.aclose(cancel=cancel))
         finally:
             self._stop()
+
+    def _call(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` run on the event-loop thread, its result returned.
+
+        Raises:
+            CheckpointError: The Checkpointer is closed (its event-loop thread has stopped).
+        """
+        if not self._thread.is_alive():
+            raise CheckpointError(f"the Checkpointer of {self._ckpt.root} is closed")
+        return self._portal.call(call)
 
     def _stop(self) -> None:
         self._portal.call(self._portal.stop)
@@ -263,7 +297,7 @@ def save(
     async def run() -> Metadata:
         return await _api.save(state, path, allow_pickle=allow_pickle, metadata=metadata, io=io)
 
-    return anyio.run(run)
+    return _run(run, "save")
 
 
 def load(
@@ -279,7 +313,7 @@ def load(
     async def run() -> MutableMapping[str, object]:
         return await _api.load(state, path, strict=strict, allow_pickle=allow_pickle, io=io)
 
-    return anyio.run(run)
+    return _run(run, "load")
 
 
 def read(
@@ -290,4 +324,4 @@ def read(
     async def run() -> dict[Key, object]:
         return await _api.read(path, allow_pickle=allow_pickle, io=io)
 
-    return anyio.run(run)
+    return _run(run, "read")

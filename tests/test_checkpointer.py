@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
-from collections.abc import Sequence
+import shutil
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -52,6 +56,13 @@ def write_file(path: Path, data: bytes) -> None:
 
 def state_for(step: int) -> dict[str, object]:
     return {"w": torch.full((64,), float(step)), "step": step}
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    """Yield to the event loop until ``condition()`` holds (20 s at most)."""
+    with anyio.fail_after(20):
+        while not condition():  # noqa: ASYNC110 (a state inside the Checkpointer: no event tells it)
+            await anyio.sleep(0.001)
 
 
 def big_state(step: int) -> dict[str, object]:
@@ -354,3 +365,167 @@ async def test_bad_step(step: object, root: Path) -> None:
             await ckpt.save(state_for(1), step=step)  # type: ignore[call-overload]
         assert ckpt.steps() == []
         assert tmp_entries(root) == []
+
+
+# -- concurrent calls ----------------------------------------------------------------------------------
+
+
+def test_the_first_two_background_saves_of_an_event_loop_both_run(tmp_path: Path) -> None:
+    """The loop's runner of background saves is registered before its task group exists: the second
+    save, started meanwhile, must wait for it too (it used to fail an assertion and lose its save)."""
+
+    async def main() -> list[int]:
+        async with Checkpointer(tmp_path / "a") as a, Checkpointer(tmp_path / "b") as b:
+            handles = await asyncio.gather(
+                a.save(state_for(1), step=1, async_op=True), b.save(state_for(1), step=1, async_op=True)
+            )
+            return [(await h).step or 0 for h in handles]
+
+    assert asyncio.run(main()) == [1, 1]  # a new event loop: its first background saves
+
+
+async def test_concurrent_first_calls_open_once_and_share_the_in_flight_limit(
+    root: Path, held_commits: anyio.Event
+) -> None:
+    """Three saves gathered on a Checkpointer never entered: each used to open it, with a semaphore of
+    its own, and all three ran despite ``max_inflight=1``."""
+    ckpt = Checkpointer(root, max_inflight=1, on_busy="error")
+    try:
+        results = await asyncio.gather(
+            *(ckpt.save(big_state(s), step=s, async_op=True) for s in (1, 2, 3)), return_exceptions=True
+        )
+        handles = [r for r in results if isinstance(r, aiockpt.SaveHandle)]
+        assert len(handles) == 1
+        assert sum(isinstance(r, BusyError) for r in results) == 2
+        held_commits.set()
+        await handles[0]
+        await ckpt.save(big_state(4), step=4)  # the slot came back: one slot, not three
+        assert ckpt._slots is not None
+        assert ckpt._slots.value == 1
+    finally:
+        held_commits.set()
+        await ckpt.aclose()
+
+
+async def test_a_step_waiting_for_a_slot_is_in_flight_already(root: Path, held_commits: anyio.Event) -> None:
+    """A second save of a step whose first save waits for a free slot is refused at once; both used to
+    be accepted, and the Checkpointer then lost track of one of them."""
+    async with Checkpointer(root, max_inflight=1, on_busy="wait") as ckpt:
+        first = await ckpt.save(big_state(1), step=1, async_op=True)
+        async with anyio.create_task_group() as tg:
+            waiting: list[aiockpt.SaveHandle] = []
+
+            async def save_two() -> None:
+                waiting.append(await ckpt.save(big_state(2), step=2, async_op=True))
+
+            tg.start_soon(save_two)
+            await wait_until(lambda: 2 in ckpt._inflight)
+            with pytest.raises(CheckpointExistsError):
+                await ckpt.save(big_state(2), step=2, async_op=True)
+            held_commits.set()
+        await first
+        await waiting[0]
+        assert ckpt.steps() == [1, 2]
+        assert_tree_equal(await ckpt.read(2), big_state(2))
+
+
+async def test_aclose_cancel_also_cancels_saves_waiting_for_a_slot(
+    root: Path, held_commits: anyio.Event
+) -> None:
+    """They used to start once the slot was free, commit, and hold ``aclose`` until they had."""
+    ckpt = await Checkpointer(root, max_inflight=1, on_busy="wait").__aenter__()
+    first = await ckpt.save(big_state(1), step=1, async_op=True)
+    outcome: list[BaseException] = []
+
+    async def save_two() -> None:
+        try:
+            await ckpt.save(big_state(2), step=2, async_op=True)
+        except aiockpt.CheckpointError as exc:
+            outcome.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(save_two)
+        await wait_until(lambda: 2 in ckpt._inflight)
+        with anyio.fail_after(20):
+            await ckpt.aclose(cancel=True)
+    assert first.state is SaveState.CANCELLED
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], aiockpt.CheckpointCancelledError)
+    assert listdir(root) == []
+    with pytest.raises(aiockpt.CheckpointError, match="closed"):
+        await ckpt.save(big_state(3), step=3)
+
+
+async def test_a_failure_after_the_commit_leaves_the_save_committed(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Updating ``latest`` failed (the disk full, say) after the step was committed: the save used to
+    be marked failed with a raw OSError (and ``aclose`` to stop before freeing its buffers)."""
+
+    def full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    async with Checkpointer(root, keep_last=1) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+        monkeypatch.setattr("aiockpt._checkpointer.replace_durable", full)
+        handle = await ckpt.save(state_for(2), step=2, async_op=True)
+        with pytest.warns(RuntimeWarning, match="step 2 is committed"):
+            meta = await handle
+        assert handle.state is SaveState.COMMITTED
+        assert meta.step == 2
+        assert ckpt.steps() == [1, 2]  # not pruned either: pruning follows the update of `latest`
+        assert read_text(root / "latest").strip() == step_dir(1)
+        monkeypatch.undo()
+        await ckpt.save(state_for(3), step=3)  # the next commit catches up
+        assert ckpt.steps() == [3]
+        assert read_text(root / "latest").strip() == step_dir(3)
+    assert listdir(root) == ["latest", step_dir(3)]
+
+
+async def test_a_refresh_never_drops_a_step_committed_while_it_listed(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refresh (``watch`` makes one per poll) lists the root, then a save commits step 2; the stale
+    listing used to replace the index between the save's adding its step and its publishing, so
+    ``latest`` named step 1. Here the listing is held until the save publishes (or 1 s, for a refresh
+    that keeps the save from publishing meanwhile), and released just before it does."""
+    real_scan = aiockpt._checkpointer.scan_steps
+    real_publish = Checkpointer._publish_and_prune
+    listed, publishing, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def held_scan(directory: Path) -> list[int]:
+        steps = real_scan(directory)
+        listed.set()
+        publishing.wait(timeout=1.0)
+        returned.set()
+        return steps
+
+    async def publish(self: Checkpointer) -> None:
+        publishing.set()
+        await anyio.to_thread.run_sync(returned.wait)
+        await anyio.sleep(0.05)  # the refresh task resumes meanwhile
+        await real_publish(self)
+
+    async with Checkpointer(root) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+        monkeypatch.setattr("aiockpt._checkpointer.scan_steps", held_scan)
+        monkeypatch.setattr(Checkpointer, "_publish_and_prune", publish)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ckpt.refresh)
+            await anyio.to_thread.run_sync(listed.wait)  # its listing holds step 1 only
+            await ckpt.save(state_for(2), step=2)
+        assert read_text(root / "latest").strip() == step_dir(2)
+        assert ckpt.steps() == [1, 2]
+
+
+async def test_a_root_that_is_a_file_or_is_gone_is_a_storage_error(root: Path) -> None:
+    file = root.parent / "a-file"
+    write_file(file, b"x")
+    with pytest.raises(aiockpt.StorageError, match="a-file") as info:
+        await Checkpointer(file).open()
+    assert info.value.path == str(file)
+    async with Checkpointer(root) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+        await anyio.to_thread.run_sync(shutil.rmtree, root)
+        with pytest.raises(aiockpt.StorageError, match=str(root)):
+            await ckpt.refresh()

@@ -80,9 +80,11 @@ class Peaks:
 
 
 async def _monitor(ckpt: Checkpointer, peaks: Peaks) -> None:
+    assert ckpt._slots is not None
     while True:
         peaks.held_bytes = max(peaks.held_bytes, ckpt._pool.held_bytes)
-        peaks.inflight = max(peaks.inflight, len(ckpt._inflight))
+        # Saves holding a slot (``_inflight`` also lists a save whose caller waits for one).
+        peaks.inflight = max(peaks.inflight, MAX_INFLIGHT - ckpt._slots.value)
         await anyio.sleep(0.002)
 
 

@@ -187,3 +187,34 @@ def test_sync_module_functions_errors(tmp_path: Path) -> None:
     with pytest.raises(aiockpt.StateMismatchError, match="b"):
         aiockpt.sync.load({"a": torch.zeros(2), "b": torch.zeros(1)}, path)
     assert_tree_equal(aiockpt.sync.read(path), {"a": torch.ones(2)})
+
+
+def test_sync_handles_answer_after_close_and_a_closed_checkpointer_says_so(root: Path) -> None:
+    """``result()``/``cancel()`` of a save that ended, and every call on a closed Checkpointer, used to
+    fail with anyio's "This portal is not running"."""
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        handle = ckpt.save({"w": torch.ones(1 << 20)}, step=1, async_op=True)
+    assert handle.result().step == 1
+    handle.cancel()  # ended: nothing to do
+    assert handle.state is SaveState.COMMITTED
+    ckpt.wait()  # nothing in flight
+    for call in (
+        lambda: ckpt.save({"w": torch.ones(2)}, step=2),
+        ckpt.steps,
+        lambda: ckpt.load({"w": torch.zeros(1 << 20)}),
+        ckpt.read,
+    ):
+        with pytest.raises(aiockpt.CheckpointError, match="closed"):
+            call()
+
+
+async def test_sync_module_functions_refuse_a_running_event_loop(tmp_path: Path) -> None:
+    """They would block the loop (and anyio refused with a bare RuntimeError)."""
+    path = tmp_path / "ckpt"
+    with pytest.raises(aiockpt.CheckpointError, match=r"await aiockpt\.save"):
+        aiockpt.sync.save({"a": torch.ones(2)}, path)
+    await aiockpt.save({"a": torch.ones(2)}, path)
+    with pytest.raises(aiockpt.CheckpointError, match=r"await aiockpt\.load"):
+        aiockpt.sync.load({"a": torch.zeros(2)}, path)
+    with pytest.raises(aiockpt.CheckpointError, match=r"await aiockpt\.read"):
+        aiockpt.sync.read(path)
