@@ -52,13 +52,17 @@ _ARRAYS: dict[int, type[ctypes.Array[ctypes.c_char]]] = {}
 
 
 def _view(t: torch.Tensor) -> memoryview:
-    n = t.nbytes
+    return view_at(t.data_ptr(), t.nbytes)
+
+
+def view_at(address: int, n: int) -> memoryview:
+    """A writable ``memoryview`` (format ``B``) of the ``n`` bytes at ``address``, which must stay alive."""
     if n == 0:
         return _EMPTY
     array = _ARRAYS.get(n)
     if array is None:
         array = _ARRAYS[n] = ctypes.c_char * n
-    return memoryview(array.from_address(t.data_ptr())).cast("B")
+    return memoryview(array.from_address(address)).cast("B")
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

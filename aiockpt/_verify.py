@@ -175,7 +175,7 @@ async def verify(
     large blocks that nothing of is cached) are read so, into bounce buffers of 8 MiB (one per
     ``io.direct_thread_count`` reader and two more), and checksummed there. Unlike :func:`load`,
     verification goes on past the first damaged chunk and reports all of them. A collective-free
-    checkpoint is verified part by part, through its merged manifest. As a load does
+    checkpoint is verified part by part, each part's copy of a replicated chunk too. As a load does
     (``IOConfig.drop_behind``), it leaves in the page cache only what was cached before it began.
 
     Args:
@@ -202,7 +202,8 @@ async def verify(
 
 async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], None] | None) -> VerifyReport:
     try:
-        manifest = await run_sync(lambda: read_manifest(directory))
+        # Every part's own chunks, also the copies of a chunk that a load reads from another part.
+        manifest = await run_sync(lambda: read_manifest(directory, every_copy=True))
     except CorruptionError as exc:
         return VerifyReport(path=str(directory), problems=(exc,), num_tensors=0, num_chunks=0, nbytes=0)
 

@@ -183,6 +183,19 @@ async def test_dcp_plain_chunks_are_read_in_place_and_others_decoded(tmp_path: P
     assert_tree_equal(target, state)
 
 
+async def test_dcp_lazy_conjugate_and_negative_views_keep_their_values(tmp_path: Path) -> None:
+    # DCP stores a lazy conj()/_neg_view() as its un-applied storage plus metadata {'conj': True} /
+    # {'neg': True} for torch.load to apply: the raw record alone holds the wrong values.
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    _dcp_save({"conj": z.conj(), "neg": x._neg_view(), "plain": x}, tmp_path / "d")
+    expected = {"conj": z.conj().resolve_conj(), "neg": -x, "plain": x}
+    assert_tree_equal(await aiockpt.read(tmp_path / "d"), expected)
+    target: dict[str, object] = {k: torch.zeros_like(v) for k, v in expected.items()}
+    await aiockpt.load(target, tmp_path / "d")
+    assert_tree_equal(target, expected)
+
+
 async def test_dcp_strict_mismatch_lists_every_difference(tmp_path: Path) -> None:
     _dcp_save({"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(2), "extra": 1}, tmp_path / "d")
     target: dict[str, Any] = {
@@ -368,6 +381,24 @@ async def test_torch_save_file_reads_and_loads_like_a_checkpoint(tmp_path: Path)
     fresh_opt = torch.optim.AdamW(fresh_model.parameters(), lr=1.0)
     await aiockpt.load({"model": fresh_model, "optim": fresh_opt, "step": 0}, tmp_path / "c.pt")
     assert_tree_equal(fresh_opt.state_dict(), opt.state_dict())
+
+
+async def test_torch_save_file_loads_into_parameters_and_tied_targets(tmp_path: Path) -> None:
+    # Decoded chunks are copied into place outside autograd (a Parameter refuses a recorded in-place copy),
+    # and keys tied in the target are filled after the others, in key order, as load_state_dict does.
+    gen = torch.Generator().manual_seed(3)
+    saved = {"w": torch.randn(30, 20, generator=gen), "v": torch.randn(50, generator=gen)}
+    tied = {"emb": torch.randn(8, 8, generator=gen), "head": torch.randn(8, 8, generator=gen)}
+    torch.save({**saved, **tied}, tmp_path / "c.pt")
+    w = torch.nn.Parameter(torch.zeros(30, 20))
+    shared = torch.nn.Parameter(torch.zeros(8, 8))
+    target: dict[str, object] = {"w": w, "v": torch.zeros(50), "emb": shared, "head": shared}
+    await aiockpt.load(target, tmp_path / "c.pt")
+    assert target["w"] is w
+    assert w.requires_grad
+    assert w.grad_fn is None
+    assert torch.equal(w.detach(), saved["w"])
+    assert torch.equal(shared.detach(), tied["head"])  # the later key's values
 
 
 async def test_torch_save_with_objects_needs_allow_pickle(tmp_path: Path) -> None:

@@ -386,3 +386,126 @@ async def test_in_place_load_into_tensors_that_share_nothing_but_shape(ckpt_path
     await aiockpt.load(target, ckpt_path)
     assert_tree_equal(target, state)
     assert {k: tensor_at(target, k).data_ptr() for k in target} == ptrs
+
+
+# --- Targets whose keys share memory, leaves that require grad, lazy parameters ------------------------
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self, n: int, *, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(n, n, bias=False)
+        self.head = torch.nn.Linear(n, n, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+IO_CASES = {
+    "default": aiockpt.IOConfig(),
+    "buffered": aiockpt.IOConfig(direct_reads=False),
+    "buffered-no-checkers": aiockpt.IOConfig(direct_reads=False, checkers=False),
+    "direct": aiockpt.IOConfig(direct_reads=True),
+}
+
+
+@pytest.mark.parametrize("io", IO_CASES.values(), ids=IO_CASES.keys())
+@pytest.mark.parametrize("n", [100, 512], ids=["40KiB", "1MiB"])
+@pytest.mark.parametrize("equal", [False, True], ids=["different", "equal"])
+async def test_tied_target_loads_keys_stored_apart_as_load_state_dict(
+    ckpt_path: Path, io: aiockpt.IOConfig, n: int, equal: bool
+) -> None:
+    # The target ties head.weight to emb.weight; the checkpoint holds them apart. Read in place, the second
+    # key's bytes overwrote the first's before its checksum was verified there: a false CorruptionError.
+    torch.manual_seed(0)
+    src = _Tied(n, tie=False)
+    if equal:
+        src.head.weight = torch.nn.Parameter(src.emb.weight.detach().clone())
+    await aiockpt.save({"model": src}, ckpt_path)
+    expected = _Tied(n, tie=True)
+    expected.load_state_dict(src.state_dict())
+    dst = _Tied(n, tie=True)
+    await aiockpt.load({"model": dst}, ckpt_path, io=io)
+    assert dst.head.weight is dst.emb.weight
+    assert torch.equal(dst.emb.weight, expected.emb.weight)  # the later key's values win
+    assert torch.equal(dst.emb.weight, src.head.weight)
+
+
+@pytest.mark.parametrize("io", IO_CASES.values(), ids=IO_CASES.keys())
+async def test_keys_of_overlapping_views_load_in_key_order(ckpt_path: Path, io: aiockpt.IOConfig) -> None:
+    big = 1 << 18  # 1 MiB of float32: direct reads take it by default
+    saved: dict[str, object] = {
+        "all": torch.arange(big, dtype=torch.float32),
+        "middle": torch.full((big // 2,), -1.0),
+        "tail": torch.full((8,), 5.0),
+    }
+    await aiockpt.save(saved, ckpt_path)
+    base = torch.zeros(big)
+    state: dict[str, object] = {
+        "all": base,
+        "middle": base[big // 4 : big // 4 + big // 2],
+        "tail": base[::2][-8:],  # not contiguous: read through a host buffer
+    }
+    await aiockpt.load(state, ckpt_path, io=io)
+    expected = torch.arange(big, dtype=torch.float32)
+    expected[big // 4 : big // 4 + big // 2] = -1.0
+    expected[::2][-8:] = 5.0
+    assert torch.equal(base, expected)
+
+
+async def test_load_copies_into_parameters_that_require_grad(ckpt_path: Path) -> None:
+    # Copies into place (non-contiguous targets, keys tied in the checkpoint) ran under autograd, which
+    # refuses an in-place copy into a leaf that requires grad: a raw RuntimeError after part of the load.
+    x = torch.randn(30, 20)
+    await aiockpt.save({"emb": x, "head": x, "t": x, "other": torch.randn(100)}, ckpt_path)
+    emb = torch.nn.Parameter(torch.zeros(30, 20))
+    head = torch.nn.Parameter(torch.zeros(30, 20))
+    t = torch.nn.Parameter(torch.zeros(20, 30))
+    state: dict[str, object] = {"emb": emb, "head": head, "t": t.t(), "other": torch.zeros(100)}
+    await aiockpt.load(state, ckpt_path)
+    assert state["emb"] is emb
+    assert state["head"] is head
+    for p in (emb, head, t):
+        assert p.requires_grad
+        assert p.grad_fn is None
+    assert torch.equal(emb.detach(), x)
+    assert torch.equal(head.detach(), x)
+    assert torch.equal(t.detach(), x.t())
+
+
+async def test_strict_load_refuses_plain_values_where_the_target_holds_containers(ckpt_path: Path) -> None:
+    await aiockpt.save({"opt": None, "lst": 3, "tup": b"raw", "w": torch.ones(3)}, ckpt_path)
+
+    def target() -> dict[str, object]:
+        return {"opt": {"m": torch.zeros(4)}, "lst": [torch.zeros(2)], "tup": (1, 2), "w": torch.zeros(3)}
+
+    state = target()
+    before = snapshot(state)
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load(state, ckpt_path)
+    assert sorted(d.split(":")[0] for d in info.value.differences) == ["lst", "opt", "tup"]
+    assert "the target holds a dict, the checkpoint a NoneType" in str(info.value)
+    assert_tree_equal(state, before)
+    state = target()
+    opt, lst = state["opt"], state["lst"]
+    with pytest.warns(StateMismatchWarning, match="opt: the target holds a dict"):
+        await aiockpt.load(state, ckpt_path, strict=False)
+    assert state["opt"] is opt
+    assert state["lst"] is lst
+    assert state["tup"] == (1, 2)
+    assert_tree_equal(state["opt"], {"m": torch.zeros(4)})
+    assert torch.equal(tensor_at(state, "w"), torch.ones(3))
+
+
+@pytest.mark.filterwarnings("ignore:Lazy modules are a new feature:UserWarning")
+async def test_lazy_parameters_are_materialized_as_load_state_dict_does(ckpt_path: Path) -> None:
+    saved = torch.nn.LazyLinear(4)
+    saved(torch.randn(2, 3))
+    await aiockpt.save({"m": saved}, ckpt_path)
+    lazy = torch.nn.LazyLinear(4)
+    await aiockpt.load({"m": lazy}, ckpt_path)
+    assert not any(torch.nn.parameter.is_lazy(p) for p in lazy.parameters())
+    assert_tree_equal(lazy.state_dict(), saved.state_dict())
+    # Outside a module nothing can materialize it: a difference naming the key, not a crash.
+    state: dict[str, object] = {"m": {"weight": torch.nn.UninitializedParameter(), "bias": torch.zeros(4)}}
+    with pytest.raises(StateMismatchError, match="m/weight: the target holds an uninitialized lazy"):
+        await aiockpt.load(state, ckpt_path)

@@ -117,6 +117,18 @@ async def test_round_trip_of_a_mixed_state_with_multipart_uploads(server: S3Serv
     assert_tree_equal(await aiockpt.read(url, io=IO, s3=OPTS), state)
 
 
+async def test_loads_copy_into_parameters_that_require_grad(bucket: str) -> None:
+    """A non-contiguous Parameter is filled by a copy after the download: outside autograd, which
+    refuses an in-place copy into a leaf that requires grad."""
+    url = f"s3://{bucket}/run1/params"
+    saved = {"w": torch.arange(12.0).reshape(3, 4)}
+    await aiockpt.save(saved, url, io=IO, s3=OPTS)
+    weight = torch.nn.Parameter(torch.zeros(4, 3))
+    target: dict[str, object] = {"w": weight.t()}  # a non-contiguous view of a leaf
+    await aiockpt.load(target, url, io=IO, s3=OPTS)
+    assert torch.equal(weight.detach().t(), saved["w"])
+
+
 async def test_async_op_and_statefuls(bucket: str) -> None:
     model = make_model(0)
     opt = make_optimizer(model)

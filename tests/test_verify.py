@@ -164,6 +164,26 @@ async def test_collective_free_parts_are_verified_through_the_merged_manifest(ck
     assert [(p.key, p.file) for p in report.problems] == [("b", str(part / file_b))]
 
 
+@pytest.mark.parametrize("io", [aiockpt.IOConfig(direct_reads=False), aiockpt.IOConfig(direct_reads=True)])
+async def test_collective_free_parts_are_verified_with_every_copy_of_a_replicated_chunk(
+    ckpt_path: Path, io: aiockpt.IOConfig
+) -> None:
+    # Both ranks write the replicated "r"; a load of the whole reads rank 0's copy, but a load of part 1 on
+    # its own reads rank 1's: verify must check that copy too (it used to plan from the merged manifest).
+    r = torch.randn(1000)
+    await aiockpt.save({"a": torch.ones(100), "r": r}, ckpt_path / "rank-00000-of-00002")
+    await aiockpt.save({"b": torch.ones(50), "r": r}, ckpt_path / "rank-00001-of-00002")
+    clean = await aiockpt.verify(ckpt_path, io=io)
+    assert clean.ok
+    assert (clean.num_tensors, clean.num_chunks) == (3, 4)
+    part = ckpt_path / "rank-00001-of-00002"
+    file_r, off_r, _ = _chunk(read_manifest(part), "r")
+    flip_byte(part / file_r, off_r + 8)
+    report = await aiockpt.verify(ckpt_path, io=io)
+    assert [(p.key, p.file) for p in report.problems] == [("r", str(part / file_r))]
+    assert not (await aiockpt.verify(part, io=io)).ok
+
+
 async def test_object_storage_urls_are_refused_by_name(tmp_path: Path) -> None:
     # verify and convert read local files only; an s3:// URL must not turn into a local path "s3:/...".
     for call in (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -21,8 +22,8 @@ import torch
 from .._errors import CorruptionError
 from .._format import DictNode, KeyPath, Manifest, Node
 from .._load._match import Destination
-from .._load._read import _overlap
-from .._threads import Aborted, run_workers
+from .._load._read import _overlap, aliased
+from .._threads import Aborted, run_sync, run_workers
 from .._tree import dtype_name, render
 from ._names import shaped_like
 
@@ -102,8 +103,15 @@ class DecodingSource(Source):
         threads: int,
         limiter: anyio.CapacityLimiter | None,
     ) -> None:
-        """Decode the chunks each destination overlaps and copy the overlap into place (in threads)."""
-        todo = sorted(destinations.values(), key=lambda d: d.index)
+        """Decode the chunks each destination overlaps and copy the overlap into place (in threads).
+
+        Destinations whose memory an earlier one shares (keys tied in the target) are filled after the
+        others, one at a time in destination order: the later key's values win, as with
+        ``load_state_dict``.
+        """
+        tied = await run_sync(partial(aliased, destinations), limiter)  # a pass over every destination
+        todo = sorted((d for i, d in destinations.items() if i not in tied), key=lambda d: d.index)
+        later = [destinations[i] for i in destinations if i in tied]
         lock = threading.Lock()
 
         def worker(abort: threading.Event) -> None:
@@ -118,8 +126,21 @@ class DecodingSource(Source):
 
         if todo:
             await run_workers(worker, max(1, min(threads, len(todo))), limiter)
+        if later:
+
+            def fill_later() -> None:
+                for dest in later:
+                    self._fill_one(dest)
+
+            await run_sync(fill_later, limiter)
 
     def _fill_one(self, dest: Destination) -> None:
+        # Outside autograd, as ``load_state_dict`` copies: a target may be a leaf that requires grad (an
+        # ``nn.Parameter``), which refuses a recorded in-place copy. (Grad mode is per thread.)
+        with torch.no_grad():
+            self._copy_into(dest)
+
+    def _copy_into(self, dest: Destination) -> None:
         entry = self.manifest.tensors[dest.index]
         target = dest.tensor
         d_size = tuple(target.shape)

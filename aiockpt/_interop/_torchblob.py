@@ -69,8 +69,19 @@ class _StorageType:
     """Stands for ``torch.<X>Storage`` classes: only their name reaches the persistent id."""
 
 
-def _rebuild(storage: object, storage_offset: object, size: object, stride: object, *_: object) -> _Rebuild:
-    if not (
+def _rebuild(
+    storage: object,
+    storage_offset: object,
+    size: object,
+    stride: object,
+    requires_grad: object = False,
+    hooks: object = None,
+    metadata: object = None,
+    *_: object,
+) -> _Rebuild:
+    # ``metadata`` holds lazy flags of the saved view ({"conj": True}, {"neg": True}): its stored bytes are
+    # the un-conjugated, un-negated ones, so only ``torch.load`` (which applies them) gives its values.
+    if metadata or not (
         isinstance(storage, str)
         and type(storage_offset) is int
         and isinstance(size, tuple)

@@ -134,10 +134,11 @@ def is_checkpoint(path: Path) -> bool:
     return parts is not None and len(parts[1]) == parts[0]
 
 
-def read_manifest(path: Path) -> Manifest:
+def read_manifest(path: Path, *, every_copy: bool = False) -> Manifest:
     """Read, verify and decode the manifest of the checkpoint at ``path``. Blocking.
 
-    A collective-free checkpoint (one published part per rank) is read as the merge of its parts.
+    A collective-free checkpoint (one published part per rank) is read as the merge of its parts; with
+    ``every_copy`` (verification), a chunk that several parts hold is listed once per part.
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no manifest, or parts are missing.
@@ -154,15 +155,17 @@ def read_manifest(path: Path) -> Manifest:
                 raise CheckpointNotFoundError(
                     f"{path} is incomplete: the parts of ranks {missing} (of {world}) were never published"
                 )
-            return merge_parts([(d.name, _read_one(d)) for d in dirs])
+            return merge_parts([(d.name, _read_one(d)) for d in dirs], every_copy=every_copy)
     return _read_one(path)
 
 
-def merge_parts(parts: list[tuple[str, Manifest]]) -> Manifest:
+def merge_parts(parts: list[tuple[str, Manifest]], *, every_copy: bool = False) -> Manifest:
     """One manifest for the parts of a collective-free checkpoint (``(part dir, manifest)`` by rank).
 
     The tree is rank 0's; tensors are merged by key path, a chunk held by several ranks (a replicated
-    tensor, written by each) is read from the first. File names are made relative to the checkpoint.
+    tensor, written by each) is read from the first. With ``every_copy``, every part's copy of such a
+    chunk is kept (``aiockpt.verify`` checks each: a load may read any of them, such as a part read on
+    its own). File names are made relative to the checkpoint.
 
     Raises:
         FormatError: Two parts disagree on a tensor's dtype or global shape.
@@ -185,6 +188,9 @@ def merge_parts(parts: list[tuple[str, Manifest]]) -> Manifest:
                     f"parts disagree on tensor {'/'.join(map(str, t.path))!r}: "
                     f"{first.dtype}{list(first.shape)} vs {t.dtype}{list(t.shape)} (in {name})"
                 )
+            if every_copy:
+                merged += chunks
+                continue
             boxes = {(c.offsets, c.sizes) for c in merged}
             merged += [c for c in chunks if (c.offsets, c.sizes) not in boxes]
     base = parts[0][1]

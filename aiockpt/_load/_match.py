@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .._errors import StateError
 from .._format import (
@@ -89,6 +90,8 @@ class LoadPlan:
 
 
 def _describe(obj: object) -> str:
+    if isinstance(obj, torch.Tensor) and is_lazy(obj):
+        return "an uninitialized lazy parameter (no shape until its module's first forward)"
     if isinstance(obj, torch.Tensor):
         return f"a tensor {str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}"
     return f"a {type(obj).__name__}"
@@ -133,9 +136,12 @@ class _Matcher:
             return tmpl
         if isinstance(node, (ListNode, TupleNode)):
             return self.sequence(node, tmpl, path, create=create)
-        if isinstance(node, ValueNode):
-            return node.value
-        if isinstance(node, BytesNode):
+        if isinstance(node, (ValueNode, BytesNode)):
+            if tmpl is not MISSING:  # a container here: plain values in the target were made MISSING above
+                self.diff(
+                    f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a {_kind(node)}"
+                )
+                return tmpl
             return node.value
         return self.unpickle(node, path)
 
@@ -257,6 +263,8 @@ class _Matcher:
         return items if kind is list else tuple(items)
 
     def tensor(self, node: TensorNode, tmpl: object, path: KeyPath) -> object:
+        if isinstance(tmpl, torch.Tensor) and is_lazy(tmpl):
+            return self.lazy(node, tmpl, path)
         dtensor = self.dtensor
         if dtensor is not None and isinstance(tmpl, dtensor):
             entry = self.m.tensors[node.index]
@@ -275,6 +283,17 @@ class _Matcher:
             self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a tensor")
             return tmpl
         return self.fresh(node, path)
+
+    def lazy(self, node: TensorNode, tmpl: torch.Tensor, path: KeyPath) -> object:
+        """An uninitialized lazy parameter or buffer (``nn.LazyLinear``): it has no shape to load into.
+
+        Inside a Stateful's state dict the entry is read fresh and handed to its ``load_state_dict``, which
+        materializes it (as a lazy module's does); anywhere else it is a difference.
+        """
+        if self.inside_stateful:
+            return self.fresh(node, path)
+        self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a tensor")
+        return tmpl
 
     def in_place(self, node: TensorNode, tmpl: torch.Tensor, path: KeyPath) -> torch.Tensor:
         """``tmpl`` (not a DTensor) as the destination of ``node``, if it has the entry's dtype and shape."""
@@ -440,7 +459,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage(obj: object) -> int | None:
-    if not isinstance(obj, torch.Tensor):
+    if not isinstance(obj, torch.Tensor) or is_lazy(obj):  # (an uninitialized one has no storage yet)
         return None
     local = _local(obj)
     return local.untyped_storage().data_ptr() if local.device.type != "meta" else None

@@ -24,7 +24,7 @@ import torch
 from .._errors import CorruptionError, StorageError
 from .._format import Manifest
 from .._gc import paused
-from .._load._read import prepare
+from .._load._read import prepare, run_all
 from .._runs import MAX_GAP, Piece, Run, group, split
 from .._save._write import Checksums, WriteResult, _pieces
 from .._threads import release, run_sync, run_workers
@@ -282,10 +282,6 @@ async def download(
                 data = memoryview(got)
             await run_sync(partial(land, run, data), limiter)
 
-    def run_copies() -> None:
-        for c in copies:
-            c()
-
     def release() -> None:
         copies.clear()
         keep.clear()
@@ -296,7 +292,7 @@ async def download(
         await concurrently(check_sizes, min(path.options.concurrency, len(unchecked)))
         await concurrently(fetcher, min(path.options.concurrency, len(jobs)))
         if copies:
-            await run_sync(run_copies, limiter)
+            await run_sync(partial(run_all, copies), limiter)  # outside autograd, as local loads
     finally:
         # Host buffers are freed in a thread: unmapping large ones would stall the event loop.
         with anyio.CancelScope(shield=True):
