@@ -81,7 +81,8 @@ async def save(
         async_op: Return once the state is staged (copied aside), with a :class:`SaveHandle` to await for
             durability, instead of once the checkpoint is durable.
         allow_pickle: Pickle objects of other types instead of refusing them.
-        metadata: Small user values stored in the manifest.
+        metadata: Small user values stored in the manifest: str keys, each value a str, an int (within
+            int64/uint64), a float, a bool or ``None``.
         io: I/O tuning.
         process_group: Save collectively over this ``torch.distributed`` group (default: the default
             group when ``torch.distributed`` is initialised, else this process alone). Every rank of it
@@ -99,8 +100,10 @@ async def save(
 
     Raises:
         CheckpointExistsError: ``path`` exists.
-        StateError: The state holds something that cannot be saved (the message names the key).
-        StorageError: Writing failed; nothing was published and temp data is removed.
+        StateError: The state or ``metadata`` holds something that cannot be saved (the message names
+            the key); nothing was written.
+        StorageError: Writing failed, or ``path``'s name is too long; nothing was published and temp data
+            is removed.
         DistributedError: Another rank failed or did not answer in time (names the ranks).
     """
     target = resolve(path, s3)

@@ -364,8 +364,8 @@ class Checkpointer:
         await self.open()
         if self._closing:
             raise CheckpointError(f"the Checkpointer of {self.root} is closing")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, not {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+            raise CheckpointError(f"step must be a non-negative int (below 2**63), not {step!r}")
         path = self.path_of(step)
         # Distributed: rank 0 checks the target inside the save's collective protocol, so that every
         # rank takes the same decision; here only a step in flight on this rank is refused early.

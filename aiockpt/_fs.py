@@ -20,6 +20,11 @@ from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
 LOCK_SUFFIX = ".lock"
+# The longest file name, in bytes, on Linux's file systems (ext4, XFS, btrfs, tmpfs: NAME_MAX).
+NAME_MAX = 255
+# What a temp directory's name leaves room for: its owner lock's suffix and, where the lock cannot be
+# made unnamed, the ``.<32 hex>`` of the private name it is made under first (see _create_locked).
+_LOCK_ROOM = len(LOCK_SUFFIX) + 1 + 32
 
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
@@ -56,6 +61,20 @@ _WRITEV_MAX = 512
 _AT_EMPTY_PATH = 0x1000
 # Refusals that mean "this way of naming an unnamed file is not open to us here", not a real failure.
 _CANNOT_LINK = (errno.EPERM, errno.EACCES, errno.ENOENT, errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def temp_name(name: str, unique: str) -> str:
+    """The name ``.tmp-<name>-<unique>`` of temp data for ``name``, ``name`` cut short where it must be.
+
+    Cut (at a character) so that the temp name, and its owner lock's names, fit in :data:`NAME_MAX`
+    bytes: a name that fits itself may be saved to. Only the prefix marks temp data (see
+    :func:`collect_garbage`) and ``unique`` keeps temp names apart; the name is there for people.
+    """
+    room = NAME_MAX - _LOCK_ROOM - len(TMP_PREFIX) - 1 - len(unique)
+    cut = name[:room]  # every character takes a byte or more
+    while len(os.fsencode(cut)) > room:
+        cut = cut[:-1]
+    return f"{TMP_PREFIX}{cut}-{unique}"
 
 
 def absolute(path: str | os.PathLike[str]) -> Path:

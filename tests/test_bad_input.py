@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import enum
+import errno
 import os
 import re
+import threading
+from functools import partial
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 from conftest import (
     assert_tree_equal,
+    at,
     dir_tree,
     exists,
     file_size,
@@ -17,6 +23,7 @@ from conftest import (
     listdir,
     snapshot,
     tensor_at,
+    tensors_in,
     tmp_entries,
 )
 
@@ -29,8 +36,12 @@ from aiockpt import (
     FormatError,
     SaveState,
     StateError,
+    StorageError,
 )
-from aiockpt._save import _read_summary
+from aiockpt._fs import collect_garbage
+from aiockpt._load import read_manifest
+from aiockpt._save import _open_tmp, _read_summary
+from aiockpt._tree import MAX_DEPTH, is_stateful
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,12 +92,18 @@ async def read_or_load(op: str, path: Path, target: dict[str, object]) -> None:
         await aiockpt.load(target, path)
 
 
-async def save_either(state: dict[str, object], path: Path, *, async_op: bool) -> None:
+async def save_either(
+    state: dict[str, object],
+    path: Path,
+    *,
+    async_op: bool,
+    metadata: dict[str, str | int | float | bool | None] | None = None,
+) -> None:
     if async_op:
-        handle = await aiockpt.save(state, path, async_op=True)
+        handle = await aiockpt.save(state, path, async_op=True, metadata=metadata)
         await handle
     else:
-        await aiockpt.save(state, path)
+        await aiockpt.save(state, path, metadata=metadata)
 
 
 async def saved(path: Path) -> dict[str, object]:
@@ -255,6 +272,45 @@ async def test_missing_data_file_is_a_corruption_error(ckpt_path: Path) -> None:
     os.unlink(ckpt_path / DATA)
     with pytest.raises(CorruptionError, match=DATA):
         await aiockpt.read(ckpt_path)
+
+
+async def test_data_file_that_cannot_be_opened_is_a_storage_error_naming_it(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (The suite may run as root, whom chmod does not stop: the refusal is made here.)
+    await aiockpt.save({"w": torch.randn(512, 512), "b": torch.randn(10)}, ckpt_path)
+    real_open = os.open
+
+    def refusing(path: str | os.PathLike[str], flags: int, *args: int, **kwargs: int) -> int:
+        if os.fspath(path).endswith(DATA):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    target: dict[str, object] = {"w": torch.zeros(512, 512), "b": torch.zeros(10)}
+    for call in (partial(aiockpt.read, ckpt_path), partial(aiockpt.load, target, ckpt_path)):
+        with pytest.raises(aiockpt.StorageError) as info:
+            await call()
+        assert info.value.path == str(ckpt_path / DATA)
+        assert str(info.value) == f"cannot read {ckpt_path / DATA}: Permission denied"
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+async def test_data_file_that_fails_a_read_is_a_storage_error_naming_it(
+    direct: bool, ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await aiockpt.save({"w": torch.randn(512, 512), "b": torch.randn(10)}, ckpt_path)
+
+    def failing(*args: object) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing)
+    target: dict[str, object] = {"w": torch.zeros(512, 512), "b": torch.zeros(10)}
+    with pytest.raises(aiockpt.StorageError) as info:
+        await aiockpt.load(target, ckpt_path, io=aiockpt.IOConfig(direct_reads=direct))
+    assert info.value.path == str(ckpt_path / DATA)
+    assert str(info.value) == f"cannot read {ckpt_path / DATA}: {os.strerror(errno.EIO)}"
+    assert isinstance(info.value.__cause__, OSError)
 
 
 async def test_failed_load_leaves_the_checkpoint_readable_after_repair(ckpt_path: Path) -> None:
@@ -442,3 +498,226 @@ async def test_hostile_keys_never_create_files_outside(tmp_path: Path) -> None:
     assert not exists(Path("/abs"))
     assert not exists(tmp_path.parent / "escape")
     assert_tree_equal(await aiockpt.read(path), snapshot(state))
+
+
+# --- Bad metadata ---------------------------------------------------------------------------------------
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+BAD_METADATA = [
+    pytest.param({"lr_schedule": [0.1, 0.01]}, "lr_schedule", id="list"),
+    pytest.param({"ok": 1, "cfg": {"a": 1}}, "cfg", id="dict"),
+    pytest.param({"shape": (1, 2)}, "shape", id="tuple"),
+    pytest.param({"blob": b"x"}, "blob", id="bytes"),
+    pytest.param({"t": torch.ones(1)}, "t", id="tensor"),
+    pytest.param({1: "a"}, 1, id="int_key"),
+    pytest.param({"seed": 2**64}, "seed", id="uint64_overflow"),
+    pytest.param({"low": -(2**63) - 1}, "low", id="int64_underflow"),
+    pytest.param({"path": "/data/\udcff"}, "path", id="surrogate_value"),
+    pytest.param({"name\udcff": 1}, "name\udcff", id="surrogate_key"),
+]
+
+
+@pytest.mark.parametrize(("metadata", "key"), BAD_METADATA)
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync_save", "async_save"])
+async def test_metadata_a_manifest_cannot_hold_is_refused_naming_the_key(
+    metadata: dict[object, object], key: object, async_op: bool, ckpt_path: Path
+) -> None:
+    bad = cast("dict[str, str | int | float | bool | None]", metadata)
+    with pytest.raises(StateError, match=re.escape(f"metadata key {key!r}")):
+        await save_either({"w": torch.ones(4)}, ckpt_path, async_op=async_op, metadata=bad)
+    assert not exists(ckpt_path)
+    assert tmp_entries(ckpt_path.parent) == []
+
+
+@pytest.mark.parametrize(("metadata", "key"), BAD_METADATA)
+async def test_checkpointer_refuses_bad_metadata_and_keeps_the_older_checkpoint(
+    metadata: dict[object, object], key: object, root: Path
+) -> None:
+    # With keep_last=1 a committed (unreadable) step 2 would have pruned the good step 1.
+    async with aiockpt.Checkpointer(root, keep_last=1) as ckpt:
+        await ckpt.save({"w": torch.ones(4)}, step=1)
+        with pytest.raises(StateError, match=re.escape(f"metadata key {key!r}")):
+            await ckpt.save(
+                {"w": torch.full((4,), 2.0)},
+                step=2,
+                metadata=cast("dict[str, str | int | float | bool | None]", metadata),
+            )
+        assert ckpt.steps() == [1]
+        assert ckpt.latest_step() == 1
+        target: dict[str, object] = {"w": torch.zeros(4)}
+        await ckpt.load(target)
+        assert torch.equal(tensor_at(target, "w"), torch.ones(4))
+        await ckpt.save({"w": torch.full((4,), 2.0)}, step=2, metadata={"fine": 2})  # the slot is free again
+        assert ckpt.steps() == [2]
+    assert tmp_entries(root) == []
+
+
+async def test_metadata_at_the_edges_of_what_a_manifest_holds_is_kept(ckpt_path: Path) -> None:
+    metadata: dict[str, str | int | float | bool | None] = {
+        "max": 2**64 - 1,
+        "min": -(2**63),
+        "nan": float("nan"),
+        "none": None,
+        "flag": True,
+        "text": "é✓",
+        "enum": Color.RED,
+    }
+    await aiockpt.save({"w": torch.ones(1)}, ckpt_path, metadata=metadata)
+    kept = read_manifest(ckpt_path).user_metadata
+    assert kept.keys() == metadata.keys()
+    assert kept["nan"] != kept["nan"]
+    assert {k: v for k, v in kept.items() if k != "nan"} == {k: v for k, v in metadata.items() if k != "nan"}
+
+
+# --- State keys and values a manifest cannot hold -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("state", "key", "named"),
+    [
+        (
+            {"w": torch.ones(4), "by_id": {2**64: "x"}},
+            "by_id/18446744073709551616",
+            "key 18446744073709551616",
+        ),
+        ({"by_id": {-(2**63) - 1: torch.ones(4)}}, "by_id/-9223372036854775809", "key -9223372036854775809"),
+        ({"files": {"name\udcff.bin": torch.ones(4)}}, "files/name\udcff.bin", "key 'name\\udcff.bin'"),
+        ({"w": torch.ones(4), "cfg": {"path": "/data/\udcff"}}, "cfg/path", "at key 'cfg/path'"),
+        ({"w": torch.ones(4), "cfg": ["ok", "\ud800"]}, "cfg/1", "at key 'cfg/1'"),
+    ],
+    ids=["uint64_overflow_key", "int64_underflow_key", "surrogate_key", "surrogate_value", "surrogate_item"],
+)
+@pytest.mark.parametrize("allow_pickle", [False, True], ids=["no_pickle", "pickle"])
+async def test_unencodable_keys_and_strs_are_refused_naming_the_key(
+    state: dict[str, object], key: str, named: str, allow_pickle: bool, ckpt_path: Path
+) -> None:
+    with pytest.raises(StateError) as info:
+        await aiockpt.save(state, ckpt_path, allow_pickle=allow_pickle)
+    assert info.value.key == key
+    assert named in str(info.value)
+    assert not exists(ckpt_path)
+    assert tmp_entries(ckpt_path.parent) == []
+
+
+async def test_int_keys_at_the_edges_of_int64_and_uint64_roundtrip(ckpt_path: Path) -> None:
+    state: dict[str, object] = {"by_id": {2**64 - 1: torch.ones(2), -(2**63): "low"}}
+    await aiockpt.save(state, ckpt_path)
+    assert_tree_equal(await aiockpt.read(ckpt_path), snapshot(state))
+
+
+# --- Objects that look like something else --------------------------------------------------------------
+
+
+def test_a_class_is_never_a_stateful() -> None:
+    # The class has state_dict and load_state_dict (unbound): the runtime protocol check alone says yes.
+    cls: object = torch.optim.AdamW
+    assert isinstance(cls, aiockpt.Stateful)
+    assert not is_stateful(torch.optim.AdamW)
+    assert not is_stateful(torch.nn.Linear)
+    assert is_stateful(torch.nn.Linear(1, 1))
+
+
+async def test_a_stateful_class_is_a_plain_object_refused_or_pickled(ckpt_path: Path) -> None:
+    state: dict[str, object] = {"cfg": {"opt_cls": torch.optim.AdamW, "layer": torch.nn.Linear}}
+    with pytest.raises(StateError, match="cfg/opt_cls") as info:
+        await aiockpt.save(state, ckpt_path)
+    assert info.value.key == "cfg/opt_cls"
+    assert not exists(ckpt_path)
+
+    await aiockpt.save(state, ckpt_path, allow_pickle=True)
+    assert at(await aiockpt.read(ckpt_path, allow_pickle=True), "cfg") == state["cfg"]
+    target: dict[str, object] = {"cfg": {"opt_cls": torch.optim.SGD, "layer": None}}
+    await aiockpt.load(target, ckpt_path, allow_pickle=True)
+    assert target == state
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [(lambda: 1, "builtins.function"), (threading.Lock(), "_thread.lock")],
+    ids=["lambda", "lock"],
+)
+async def test_an_object_that_cannot_be_pickled_names_its_key(
+    value: object, kind: str, ckpt_path: Path
+) -> None:
+    with pytest.raises(StateError, match=f"cannot pickle {kind} at key 'cfg/hook'") as info:
+        await aiockpt.save({"cfg": {"hook": value}}, ckpt_path, allow_pickle=True)
+    assert info.value.key == "cfg/hook"
+    assert not exists(ckpt_path)
+
+
+# --- Deep nesting ---------------------------------------------------------------------------------------
+
+
+def nested(depth: int, kind: str) -> dict[str, object]:
+    """``{"d": ...}`` with ``depth`` containers (dicts under key "k", or lists), a tensor in the deepest."""
+    inner: object = torch.ones(2)
+    for _ in range(depth - 1):
+        inner = {"k": inner} if kind == "dict" else [inner]
+    return {"d": {"k": inner} if kind == "dict" else [inner]}
+
+
+@pytest.mark.parametrize("kind", ["dict", "list"])
+async def test_nesting_deeper_than_the_limit_is_refused_naming_the_key(kind: str, ckpt_path: Path) -> None:
+    with pytest.raises(StateError, match=f"more than {MAX_DEPTH} levels") as info:
+        await aiockpt.save(nested(MAX_DEPTH, kind), ckpt_path)
+    step = "k" if kind == "dict" else "0"
+    assert info.value.key == "/".join(["d", *[step] * (MAX_DEPTH - 1)])
+    assert not exists(ckpt_path)
+    assert tmp_entries(ckpt_path.parent) == []
+    with pytest.raises(StateError, match=f"more than {MAX_DEPTH} levels"):  # far deeper: no RecursionError
+        await aiockpt.save(nested(5 * MAX_DEPTH, kind), ckpt_path)
+
+
+@pytest.mark.parametrize("kind", ["dict", "list"])
+async def test_nesting_up_to_the_limit_saves_reads_and_loads(kind: str, ckpt_path: Path) -> None:
+    state = nested(MAX_DEPTH - 1, kind)
+    await aiockpt.save(state, ckpt_path)
+    assert_tree_equal(await aiockpt.read(ckpt_path), snapshot(state))
+    target = nested(MAX_DEPTH - 1, kind)
+    tensors = list(tensors_in(target))
+    tensors[0].zero_()
+    await aiockpt.load(target, ckpt_path)
+    assert torch.equal(tensors[0], torch.ones(2))
+
+
+# --- Target names ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["c" * 232, "c" * 233, "c" * 255, "é" * 127], ids=["232", "233", "255", "254utf8"]
+)
+async def test_names_up_to_name_max_can_be_saved_to(name: str, tmp_path: Path) -> None:
+    path = tmp_path / name
+    await aiockpt.save({"w": torch.arange(4.0)}, path)
+    assert torch.equal(tensor_at(await aiockpt.read(path), "w"), torch.arange(4.0))
+    assert listdir(tmp_path) == [name]
+
+
+async def test_a_name_longer_than_name_max_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    path = tmp_path / ("c" * 256)
+    with pytest.raises(StorageError, match="256 bytes") as info:
+        await aiockpt.save({"w": torch.ones(4)}, path)
+    assert info.value.path == str(path)
+    assert listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["unnamed_lock", "private_lock_name"])
+def test_temp_data_of_a_long_name_is_locked_and_collected_once_its_writer_is_gone(
+    atomic: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not atomic:  # the lock is made under a private name 33 bytes longer, then renamed
+        monkeypatch.setattr(aiockpt._fs, "_open_unnamed", lambda directory: -1)
+    tmp, lock = _open_tmp(tmp_path / ("c" * 255))
+    assert lock.atomic is atomic
+    assert tmp.name.startswith(".tmp-ccc")
+    assert len(os.fsencode(lock.path.name)) + 33 <= 255
+    assert collect_garbage(tmp_path) == []  # its writer lives
+    os.close(lock._fd)  # the writer dies: the kernel drops its lock, the files stay
+    removed = {p.name for p in collect_garbage(tmp_path)}  # the lock as an entry of its own, or with its dir
+    assert tmp.name in removed
+    assert removed <= {tmp.name, lock.path.name}
+    assert listdir(tmp_path) == []

@@ -358,7 +358,7 @@ def test_bad_arguments(kwargs: dict[str, object], root: Path) -> None:
         Checkpointer(root, **kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("step", [-1, 1.5, "3", True])
+@pytest.mark.parametrize("step", [-1, 1.5, "3", True, 2**64])
 async def test_bad_step(step: object, root: Path) -> None:
     async with Checkpointer(root) as ckpt:
         with pytest.raises(aiockpt.CheckpointError):

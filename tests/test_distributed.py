@@ -115,6 +115,30 @@ async def test_read_of_a_sharded_checkpoint_gives_full_tensors(tmp_path: Path) -
         assert torch.equal(value, ref[key]), key
 
 
+async def _save_dtensor_and_its_local_shard(rank: int, world: int, path: str) -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from aiockpt._tree import flatten
+
+    dt = distribute_tensor(torch.arange(8.0), init_device_mesh("cpu", (world,)), [Shard(0)])
+    state = {"dt": dt, "shard": dt.to_local()}  # the plain tensor shares the DTensor's local memory
+    await aiockpt.save(state, path)
+    return [box is None for box in flatten(state, allow_pickle=False).boxes]
+
+
+async def test_a_plain_tensor_sharing_a_dtensors_shard_is_not_tied_to_it(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    # Two tensors on every rank: the DTensor's shard (with its box) and the plain tensor (without).
+    assert run_world(_save_dtensor_and_its_local_shard, 2, tmp_path, str(path)) == [[False, True]] * 2
+    tree = await aiockpt.read(path)
+    assert torch.equal(tree["dt"], torch.arange(8.0))  # type: ignore[arg-type]
+    # The plain tensor is replicated as far as the save knows: one rank's copy of it is written.
+    shard = tree["shard"]
+    assert isinstance(shard, torch.Tensor)
+    assert shard.tolist() in ([0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0])
+
+
 async def _save_2d(rank: int, world: int, path: str) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor

@@ -207,6 +207,55 @@ async def test_tied_checkpoint_loads_into_separate_targets(ckpt_path: Path) -> N
     assert torch.equal(tensor_at(target, "b"), t)
 
 
+@ASYNC
+@pytest.mark.parametrize("numel", [6, 20_000], ids=["small", "large"])
+async def test_lazy_conjugate_and_negative_views_are_not_tied_to_their_base(
+    numel: int, async_op: bool, ckpt_path: Path
+) -> None:
+    # A view that shares its base's memory, dtype, shape and strides but reads differently (a lazy conj or
+    # neg bit) is another tensor: tying it to the base would restore the base's values in its place.
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(numel, dtype=torch.complex64, generator=gen)
+    x = torch.randn(numel, generator=gen)
+    state: dict[str, object] = {
+        "z": z,
+        "z_conj": z.conj(),
+        "im": z.imag,
+        "neg_im": z.conj().imag,  # a lazy negative view of z.imag's memory
+        "x": x,
+        "neg_x": torch._neg_view(x),
+    }
+    expected = snapshot(state)
+    meta = await save(state, ckpt_path, async_op=async_op)
+    assert meta.num_tensors == 6
+    got = await aiockpt.read(ckpt_path)
+    assert_tree_equal(got, expected)
+    assert torch.equal(tensor_at(got, "z_conj"), z.conj().resolve_conj())
+    assert torch.equal(tensor_at(got, "neg_x"), -x)
+
+    target: dict[str, object] = {k: torch.zeros_like(tensor_at(expected, k)) for k in state}
+    await aiockpt.load(target, ckpt_path)
+    assert_tree_equal(target, expected)
+
+
+@ASYNC
+@pytest.mark.parametrize("rows", [8, 50, 400], ids=["2400B", "15000B", "120000B"])
+async def test_non_contiguous_one_byte_dtypes_without_copy_kernels_roundtrip(
+    rows: int, async_op: bool, ckpt_path: Path
+) -> None:
+    # torch has no copy_ (nor contiguous) for a non-contiguous float4_e2m1fn_x2 tensor of a few KiB or more.
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip("this torch has no float4_e2m1fn_x2")
+    gen = torch.Generator().manual_seed(rows)
+    raw = torch.randint(0, 256, (rows, 300), dtype=torch.uint8, generator=gen)
+    state: dict[str, object] = {"w": raw.view(torch.float4_e2m1fn_x2).t()}
+    await save(state, ckpt_path, async_op=async_op)
+    got = tensor_at(await aiockpt.read(ckpt_path), "w")
+    assert got.dtype == torch.float4_e2m1fn_x2
+    assert got.shape == (300, rows)
+    assert torch.equal(got.view(torch.uint8), raw.t())
+
+
 # --- Statefuls and Python values ------------------------------------------------------------------------
 
 

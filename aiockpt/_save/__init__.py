@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import anyio
 
@@ -22,7 +22,7 @@ from .._codec import encode as sliced_encode
 from .._cuda import noting
 from .._errors import CheckpointExistsError, DistributedError, StorageError
 from .._format import MANIFEST_NAME, DictNode, Manifest
-from .._fs import LOCK_SUFFIX, TMP_PREFIX, OwnerLock, remove_tree
+from .._fs import LOCK_SUFFIX, NAME_MAX, OwnerLock, remove_tree, temp_name
 from .._gc import paused
 from .._handle import Metadata, SaveMetrics, SaveState
 from .._load._manifest import decode_summary
@@ -31,7 +31,7 @@ from .._options import IOConfig
 from .._storage import Location, S3Path
 from .._threads import acquire_sync, dismantle, release, responsive, run_sync
 from .._world import World
-from ._finish import build_manifest, commit, encode_manifest
+from ._finish import build_manifest, check_metadata, commit, encode_manifest
 from ._global_plan import GlobalPlan, RankPlan, global_plan
 from ._local_plan import LocalPlan, WriteItem, local_plan
 from ._protocol import Exchanges, Status, describe
@@ -98,6 +98,13 @@ def _manifest(
 def _check_target(path: Path) -> None:
     if os.path.lexists(path):
         raise CheckpointExistsError(f"{path} already exists; aiockpt never overwrites a checkpoint")
+    # The temp name is cut to fit (see temp_name): a name too long would only fail at the commit.
+    if len(os.fsencode(path.name)) > NAME_MAX:
+        raise StorageError(
+            f"cannot save to {path}: its name is {len(os.fsencode(path.name))} bytes, longer than the "
+            f"{NAME_MAX} a file name may have",
+            path=str(path),
+        )
 
 
 def _prepare_target(path: Path) -> tuple[Path, OwnerLock]:
@@ -132,7 +139,7 @@ def _read_summary(path: Path) -> tuple[Manifest, int, int]:
 
 
 def _open_tmp(path: Path) -> tuple[Path, OwnerLock]:
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:12]}")
+    tmp = path.with_name(temp_name(path.name, uuid.uuid4().hex[:12]))
     lock = OwnerLock(tmp.with_name(tmp.name + LOCK_SUFFIX))
     try:
         tmp.mkdir()
@@ -278,7 +285,7 @@ async def _save(
 
     Raises:
         CheckpointExistsError: ``req.path`` exists.
-        StateError: The state cannot be saved; names the key.
+        StateError: The state or the user metadata cannot be saved; names the key.
         StorageError: Writing failed (e.g. disk full); earlier checkpoints are untouched.
         DistributedError: Another rank failed or was cancelled (names the ranks), or a collective timed out.
     """
@@ -288,6 +295,7 @@ async def _save(
     target = _target(req, limiter)
     try:
         # --- stage and local plan: this rank alone
+        check_metadata(cast("Mapping[object, object]", req.user_metadata))  # before a byte is written
         if coordinator:  # fail fast; the temp dir is made after staging, off the caller's critical path
             await target.check()
         staged = await stage(

@@ -10,8 +10,9 @@ commit is shielded from cancellation so that it always completes or fails as a w
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import anyio
 import crc32c
@@ -19,7 +20,7 @@ import msgspec
 
 from .._body import body_parts
 from .._codec import bin_header
-from .._errors import CheckpointExistsError, StorageError
+from .._errors import CheckpointExistsError, StateError, StorageError
 from .._format import (
     ENCODER,
     FORMAT_VERSION,
@@ -32,9 +33,50 @@ from .._format import (
 )
 from .._fs import fsync_dir, rename_noreplace, write_durable
 from .._threads import run_sync
+from .._tree import type_name
 from .._version import __version__
 from ._global_plan import GlobalPlan
 from ._write import WriteResult
+
+# A user metadata value as the manifest declares it, decoded as strictly as a load decodes a manifest.
+_METADATA_VALUE = msgspec.msgpack.Decoder(get_args(get_type_hints(Manifest)["user_metadata"])[1])
+
+
+def check_metadata(metadata: Mapping[object, object]) -> None:
+    """Refuse user metadata that a manifest cannot hold, before anything is written.
+
+    A value is accepted when it encodes and decodes back as ``Manifest.user_metadata`` declares it: one
+    that does not would commit a checkpoint that no load can read.
+
+    Raises:
+        StateError: A key is not a str, a value is not a str, int (within int64/uint64), float, bool or
+            ``None``, or a str is not valid Unicode; the message names the metadata key.
+    """
+    for key, value in metadata.items():
+        problem = _metadata_problem(key, value)
+        if problem is not None:
+            raise StateError(f"cannot save metadata key {key!r}: {problem}")
+
+
+def _metadata_problem(key: object, value: object) -> str | None:
+    """Why ``key: value`` cannot be user metadata, or ``None`` if it can."""
+    if not isinstance(key, str):
+        return f"the key is a {type_name(key)}; metadata keys must be str"
+    try:
+        ENCODER.encode(key)
+    except UnicodeEncodeError:
+        return "the key is not valid Unicode (a lone surrogate) and cannot be encoded as UTF-8"
+    try:
+        _METADATA_VALUE.decode(ENCODER.encode(value))
+    except (TypeError, OverflowError, UnicodeEncodeError, msgspec.ValidationError):
+        pass
+    else:
+        return None
+    if type(value) is int:
+        return f"the value {value} is outside the ints a manifest can store ([-2**63, 2**64 - 1])"
+    if type(value) is str:
+        return "the value is not valid Unicode (a lone surrogate) and cannot be encoded as UTF-8"
+    return f"the value is a {type_name(value)}; metadata values must be str, int, float, bool or None"
 
 
 def build_manifest(

@@ -60,10 +60,20 @@ class Staged:
     copied: int
 
 
+def _bytewise(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``uint8`` where its elements are single bytes, for copies; else ``t``.
+
+    ``copy_`` (and so ``contiguous``) has no kernel for some 1-byte dtypes (``float4_e2m1fn_x2``: a
+    non-contiguous one of a few KiB fails), and a byte copies as a byte whatever its dtype. A lazy
+    negative view keeps its dtype: its bytes are not its values, and ``view`` refuses it.
+    """
+    return t.view(torch.uint8) if t.element_size() == 1 and not t.is_neg() else t
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    return _bytewise(t).contiguous().reshape(-1).view(torch.uint8)
 
 
 def _copy_small(
@@ -255,8 +265,9 @@ def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
             if plain_cpu(t):
                 jobs.append((base + off, t.data_ptr(), nbytes_of(t)))
                 continue
-            dst = buffer[off : off + nbytes_of(t)].view(t.dtype).view(t.shape)
-            dst.copy_(t, non_blocking=t.is_cuda)
+            src = _bytewise(t)
+            dst = buffer[off : off + nbytes_of(t)].view(src.dtype).view(src.shape)
+            dst.copy_(src, non_blocking=t.is_cuda)
         if jobs:
             _copy_large(jobs, _copy_threads())
         wait(layout.devices)  # the device-to-host copies, enqueued on the caller's streams
