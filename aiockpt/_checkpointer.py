@@ -265,6 +265,13 @@ class Checkpointer:
             raise CheckpointError(
                 f"on_busy={self.on_busy!r} needs every rank to decide alike; distributed jobs use 'wait'"
             )
+        if self._world.size > 1 and self.max_inflight > 1:
+            # Each rank runs its saves' collectives in its own call order: two saves in flight would
+            # reach them in different orders on different ranks (one's plan meeting the other's vote).
+            raise CheckpointError(
+                f"max_inflight={self.max_inflight} needs saves to reach their collectives in one order on "
+                "every rank; distributed jobs save one at a time (max_inflight=1)"
+            )
         coordinator = self._world.rank == 0
         root = self.root
 

@@ -39,14 +39,27 @@ class DistWorld:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Create the group (a collective call of every member).
+
+        Raises:
+            DistributedError: Creating it failed or timed out (a member never came).
+        """
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         # Only the members take part in creating it, so a sub-group needs no call from other ranks.
-        self._pg = dist.new_group(
-            ranks=ranks,
-            backend="gloo",
-            timeout=timedelta(seconds=timeout),
-            use_local_synchronization=ranks is not None,
-        )
+        try:
+            self._pg = dist.new_group(
+                ranks=ranks,
+                backend="gloo",
+                timeout=timedelta(seconds=timeout),
+                use_local_synchronization=ranks is not None,
+            )
+        except RuntimeError as exc:  # a rank that never came (a store timeout, say)
+            members = "every rank of the default group" if ranks is None else f"ranks {ranks}"
+            raise DistributedError(
+                f"cannot create aiockpt's checkpoint group over {members}: {exc} (a rank that never opened "
+                "its Checkpointer or made its first save?)",
+                ranks=[],
+            ) from exc
         self.rank = dist.get_rank(self._pg)
         self.size = dist.get_world_size(self._pg)
         self.timeout = timeout

@@ -355,7 +355,7 @@ def collect_garbage(root: Path, *, stale_after: float = 60.0, dry_run: bool = Fa
         if is_dir:  # its lock was just found free: it goes with the directory
             with contextlib.suppress(FileNotFoundError):
                 lock.unlink()
-    if dry_run:  # a directory's lock goes with it, as above
-        dirs = {p.name + LOCK_SUFFIX for p in removed}
-        removed = [p for p in removed if p.name not in dirs]
-    return removed
+    # A directory's lock goes with it, as above: listed under the directory only, whether the lock was
+    # met first in the listing (and removed as a free lock) or after it (gone already), or not removed.
+    dirs = {p.name + LOCK_SUFFIX for p in removed}
+    return [p for p in removed if p.name not in dirs]

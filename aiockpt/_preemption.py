@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Any
 
 import anyio
 
 from ._checkpointer import Checkpointer
+
+# What ``signal.getsignal`` returns.
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class Preemption:
@@ -55,6 +59,8 @@ class Preemption:
         self.signal: signal.Signals | None = None
         self._scope = anyio.CancelScope()
         self._requested_event = anyio.Event()
+        # Per signal, what handled it before: an asyncio handler of the loop, else Python's handler.
+        self._before: dict[signal.Signals, tuple[asyncio.Handle | None, _Handler]] = {}
 
     async def wait(self) -> signal.Signals:
         """Wait until a signal is received; return it."""
@@ -72,7 +78,10 @@ class Preemption:
 
     async def __aenter__(self) -> Preemption:
         loop = asyncio.get_running_loop()
+        # asyncio keeps its handlers in a private table: the only place to find an application's own.
+        handlers: dict[int, asyncio.Handle] = getattr(loop, "_signal_handlers", {})
         for sig in self.signals:
+            self._before[sig] = (handlers.get(sig), signal.getsignal(sig))
             loop.add_signal_handler(sig, self._on_signal, sig)
         self._scope.__enter__()
         return self
@@ -83,20 +92,33 @@ class Preemption:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        swallowed = bool(self._scope.__exit__(exc_type, exc, tb))
-        loop = asyncio.get_running_loop()
-        for sig in self.signals:
-            loop.remove_signal_handler(sig)
-        if not self.requested or (exc_type is not None and not swallowed):
-            return swallowed  # no signal, or the block failed: its exception goes on
-        with anyio.CancelScope(shield=True):
-            await self.ckpt.wait()
-            if self.final_save is not None:
-                state, step = self.final_save()
-                await self.ckpt.refresh()
-                if step not in self.ckpt.steps():
-                    await self.ckpt.save(state, step=step)
+        # The handlers stay until the final save is done: a repeated signal (Slurm sends SIGTERM again
+        # at the time limit) is ignored meanwhile, where the default action would kill the process.
+        try:
+            swallowed = bool(self._scope.__exit__(exc_type, exc, tb))
+            if not self.requested or (exc_type is not None and not swallowed):
+                return swallowed  # no signal, or the block failed: its exception goes on
+            with anyio.CancelScope(shield=True):
+                await self.ckpt.wait()
+                if self.final_save is not None:
+                    state, step = self.final_save()
+                    await self.ckpt.refresh()
+                    if step not in self.ckpt.steps():
+                        await self.ckpt.save(state, step=step)
+        finally:
+            self._restore()
         if self.exit:
             assert self.signal is not None
             raise SystemExit(128 + int(self.signal))
         return swallowed
+
+    def _restore(self) -> None:
+        """Give each signal back to what handled it before (the default action if nothing did)."""
+        loop = asyncio.get_running_loop()
+        for sig, (handle, handler) in self._before.items():
+            loop.remove_signal_handler(sig)
+            if handle is not None:  # an asyncio handler of the application's (Handle's fields are private)
+                loop.add_signal_handler(sig, handle._callback, *handle._args)  # type: ignore[attr-defined]
+            elif handler is not None:  # (None: a handler installed outside Python, left as it is)
+                signal.signal(sig, handler)
+        self._before.clear()

@@ -344,6 +344,22 @@ def test_user_errors_are_one_line_and_exit_2(ckpt_path: Path, tmp_path: Path) ->
     assert "format version 99" in one_error_line(newer_format, 2)
 
 
+def test_step_with_a_path_that_is_no_root_is_a_usage_error(ckpt_path: Path, tmp_path: Path) -> None:
+    """``--step`` used to be ignored there: the command went on with another checkpoint, and exit 0."""
+    sync.save(_state(), ckpt_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    source = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(2)}, source)
+    converted, verified = cli_many(
+        ("convert", source, tmp_path / "out", "--to", "aiockpt", "--step", "3"),
+        ("verify", empty, "--step", "3"),
+    )
+    assert f"--step 3: {source} is not a Checkpointer root" in one_error_line(converted, 2)
+    assert f"--step 3: {empty} is not a Checkpointer root" in one_error_line(verified, 2)
+    assert not (tmp_path / "out").exists()
+
+
 def test_without_the_cli_extra_one_line_says_what_to_install() -> None:
     # The import system refuses a module whose sys.modules entry is None: as if rich were not installed.
     code = "import runpy, sys; sys.modules['rich'] = None; runpy.run_module('aiockpt', run_name='__main__')"

@@ -246,7 +246,17 @@ async def _checkpointer_run(rank: int, world: int, root: str) -> tuple[list[int]
         loaded = await ckpt.load({"model": fresh_model, "optim": fresh_opt})
         _assert_same(_full(fresh_model.state_dict()), expected, f"rank {rank}")
         dist.barrier()
-        return ckpt.steps(), loaded
+    # Two saves in flight would reach their collectives in different orders on different ranks.
+    with pytest.raises(aiockpt.CheckpointError, match="max_inflight=2"):
+        await aiockpt.Checkpointer(root, max_inflight=2).open()
+    with pytest.raises(aiockpt.CheckpointError, match="on_busy='skip'"):
+        await aiockpt.Checkpointer(root, on_busy="skip").open()
+    # Keys of one rank only: refused on every rank (the manifest's tree is rank 0's), nothing published.
+    other = Path(root).parent / "per-rank"
+    with pytest.raises(aiockpt.StateError, match=r"rank 1 holds tensor 'rng/rank1', which rank 0's"):
+        await aiockpt.save({"w": torch.ones(2), "rng": {f"rank{rank}": torch.ones(3)}}, other)
+    assert not other.exists()
+    return ckpt.steps(), loaded
 
 
 def test_checkpointer_across_ranks(tmp_path: Path) -> None:

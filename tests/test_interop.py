@@ -290,6 +290,36 @@ async def test_dcp_pickled_object_needs_allow_pickle_and_names_the_key(tmp_path:
     assert torch.equal(target["a"], torch.ones(2))
 
 
+def _explode() -> None:
+    raise ValueError("this object cannot be rebuilt here")
+
+
+class Exploding:
+    """Pickles fine; unpickling it raises (as a class this process cannot import does)."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_explode, ())
+
+
+async def test_dcp_object_that_cannot_be_unpickled_is_a_state_error_naming_the_key(tmp_path: Path) -> None:
+    """It escaped as the raw exception of the unpickling (and the command line printed a traceback)."""
+    _dcp_save({"a": torch.ones(2), "obj": Exploding()}, tmp_path / "d")
+    with pytest.raises(aiockpt.StateError, match=r"cannot unpickle 'obj' in .*\.distcp: this object") as info:
+        await aiockpt.read(tmp_path / "d", allow_pickle=True)
+    assert info.value.key == "obj"
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+async def test_convert_to_safetensors_refuses_the_name_of_its_metadata(tmp_path: Path) -> None:
+    """A tensor named ``__metadata__`` overwrote the header's metadata: an invalid file, the tensor lost."""
+    src = tmp_path / "src"
+    await aiockpt.save({"__metadata__": torch.ones(2), "w": torch.zeros(2)}, src)
+    with pytest.raises(aiockpt.StateError, match="reserves the name '__metadata__'") as info:
+        await aiockpt.convert(src, tmp_path / "m.safetensors", to="safetensors")
+    assert info.value.key == "__metadata__"
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 async def test_dcp_truncated_data_file_names_key_and_file(tmp_path: Path) -> None:
     _dcp_save({"a": torch.ones(100), "b": torch.ones(100)}, tmp_path / "d")
     (data,) = (tmp_path / "d").glob("*.distcp")

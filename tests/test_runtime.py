@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -22,7 +23,7 @@ from conftest import assert_tree_equal, listdir, read_text, tmp_entries
 import aiockpt
 import aiockpt._fs
 from aiockpt import BusyError, Checkpointer, CheckpointNotFoundError, SaveState
-from aiockpt._fs import OwnerLock, owner_alive, write_durable
+from aiockpt._fs import LOCK_SUFFIX, OwnerLock, collect_garbage, owner_alive, write_durable
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -385,6 +386,24 @@ async def test_free_lock_files_go_at_once_other_loose_files_once_stale(root: Pat
         held.release()
 
 
+def test_a_temp_dir_and_its_lock_are_one_entry_removed_whatever_the_listing_order(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Met before its directory, a free lock used to be removed (and listed) as an entry of its own, so
+    ``aiockpt prune`` said more than its ``--dry-run`` had."""
+    root.mkdir()
+    crashed = [root / f".tmp-step-0000000{i}-0123456789ab" for i in (1, 2)]
+    for d in crashed:
+        d.mkdir()
+        (d.parent / (d.name + LOCK_SUFFIX)).write_bytes(b"")  # free: its writer is gone
+    listing = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda p: iter(sorted(listing(p), reverse=True)))  # locks first
+    would = collect_garbage(root, dry_run=True)
+    assert sorted(would) == crashed
+    assert collect_garbage(root) == would
+    assert list(root.iterdir()) == []
+
+
 # --- watch() --------------------------------------------------------------------------------------------
 
 
@@ -542,6 +561,52 @@ async def test_sigterm_drains_saves_saves_once_more_and_exits_143(tmp_path: Path
         assert read_text(root / "latest") == step_dir(last) + "\n"
         assert_tree_equal(await ckpt.read(), filled(last, nbytes))
         assert tmp_entries(root) == []
+
+
+async def test_a_repeated_signal_during_the_final_save_is_ignored(root: Path) -> None:
+    """Slurm sends SIGTERM again at the time limit: the handlers used to be gone by then, and the default
+    action killed the process before the final save was written."""
+    async with Checkpointer(root) as ckpt:
+
+        def final() -> tuple[dict[str, object], int]:
+            # The repeat must meet the handler (checked first: the default action would end the tests).
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+            os.kill(os.getpid(), signal.SIGTERM)
+            return filled(2, MiB), 2
+
+        preemption = aiockpt.Preemption(ckpt, final_save=final, exit=False)
+        with anyio.fail_after(30):
+            async with preemption:
+                os.kill(os.getpid(), signal.SIGTERM)
+                await preemption.wait()
+        assert ckpt.steps() == [2]
+        assert_tree_equal(await ckpt.read(2), filled(2, MiB))
+
+
+async def test_preemption_gives_each_signal_back_to_its_handler_before(root: Path) -> None:
+    """It used to leave SIGTERM (and any signal it handled) at the default action, even with no signal."""
+    got: list[str] = []
+    loop = asyncio.get_running_loop()
+    before = signal.signal(signal.SIGUSR1, lambda *_: got.append("python"))
+    loop.add_signal_handler(signal.SIGUSR2, got.append, "asyncio")
+    try:
+        async with (
+            Checkpointer(root) as ckpt,
+            aiockpt.Preemption(ckpt, signals=(signal.SIGUSR1, signal.SIGUSR2), exit=False),
+        ):
+            pass
+        # Checked before each signal is sent: the default action would end the tests.
+        assert signal.getsignal(signal.SIGUSR2) is not signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGUSR2)
+        with anyio.fail_after(10):
+            while not got:  # noqa: ASYNC110 (asyncio runs the handler on the loop: no event to wait on)
+                await anyio.sleep(0.01)
+        assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL
+        signal.raise_signal(signal.SIGUSR1)
+        assert got == ["asyncio", "python"]
+    finally:
+        loop.remove_signal_handler(signal.SIGUSR2)
+        signal.signal(signal.SIGUSR1, before)
 
 
 async def test_preemption_with_cancel_cancels_the_block_and_returns(root: Path) -> None:

@@ -143,7 +143,8 @@ def resolve_checkpoint(path: str, step: int | None) -> tuple[Path, str | None]:
     committed step) is chosen in it. Blocking.
 
     Raises:
-        click.UsageError: ``--step`` was given with a checkpoint directory.
+        click.UsageError: ``--step`` was given with a checkpoint directory, or with a path that is no
+            Checkpointer root with committed steps (a foreign checkpoint, an empty directory).
         CheckpointNotFoundError: ``path`` does not exist, is no checkpoint nor root, or lacks ``step``.
     """
     directory = local(path, "the aiockpt command line")
@@ -153,6 +154,10 @@ def resolve_checkpoint(path: str, step: int | None) -> tuple[Path, str | None]:
         return directory, None
     steps = scan_steps(directory) if directory.is_dir() else []
     if not steps:
+        if step is not None:  # (converting or checking something else than asked is no answer)
+            raise click.UsageError(
+                f"--step {step}: {directory} is not a Checkpointer root with committed steps"
+            )
         # Not a root either: let the manifest reader say precisely what is wrong with ``path``.
         return directory, None
     if step is None:

@@ -62,12 +62,17 @@ def _tensors(tree: Mapping[Key, object]) -> list[torch.Tensor]:
     return out
 
 
+# The header entry of a safetensors file that holds its metadata, not a tensor.
+_METADATA = "__metadata__"
+
+
 def named_tensors(tree: Mapping[Key, object], *, drop_non_tensors: bool) -> list[tuple[str, torch.Tensor]]:
     """The tensors of ``tree`` by safetensors name: key paths joined with ``"."``.
 
     Raises:
         StateError: ``tree`` holds values other than tensors (all listed) and ``drop_non_tensors`` is
-            false, two paths join to one name, or a dtype has no safetensors name.
+            false, two paths join to one name, a name is ``__metadata__``, or a dtype has no safetensors
+            name.
     """
     out: dict[str, torch.Tensor] = {}
     others: list[KeyPath] = []
@@ -77,6 +82,12 @@ def named_tensors(tree: Mapping[Key, object], *, drop_non_tensors: bool) -> list
             name = join(path)
             if name in out:
                 raise StateError(f"two keys are both named {name!r} once joined with '.'", key=render(path))
+            if name == _METADATA:
+                raise StateError(
+                    f"safetensors reserves the name {_METADATA!r} (for its header's metadata): rename "
+                    f"{render(path)!r}",
+                    key=render(path),
+                )
             if dtype_name(obj.dtype) not in NAMES:
                 raise StateError(
                     f"safetensors cannot hold {render(path)!r}: dtype {dtype_name(obj.dtype)}",
@@ -118,7 +129,7 @@ def write_safetensors(
     Raises:
         OSError: Writing failed (``file`` may be left partly written; the caller removes it).
     """
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, object] = {_METADATA: {"format": "pt"}}
     offset = 0
     for name, t in items:
         n = nbytes_of(t)

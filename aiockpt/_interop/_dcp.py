@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import torch
 
-from .._errors import CorruptionError, FormatError, StorageError
+from .._errors import CorruptionError, FormatError, StateError, StorageError
 from .._format import Chunk, KeyPath, Manifest, Node, PickleNode, TensorEntry, TensorNode
 from .._load._match import Destination
 from .._load._read import read_into
@@ -286,11 +286,24 @@ class DcpSource(DecodingSource):
             if not self.allow_pickle:
                 # Refused by the matcher, naming the key, if the load needs this value.
                 return PickleNode(data=b"", type_name="object that torch.load(weights_only=True) refuses")
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            value = self._unpickled(fqn, info, data)
         except Exception as exc:
             path = self.location / info.relative_path
             raise CorruptionError(f"cannot decode {fqn!r} in {path}: {exc}", file=str(path), key=fqn) from exc
         return value_node(value, fqn)
+
+    def _unpickled(self, fqn: str, info: Any, data: bytes) -> object:
+        """The value ``torch.load`` rebuilds from ``data`` with pickle (``allow_pickle``).
+
+        Raises:
+            StateError: It cannot be rebuilt here (a class this process cannot import, a damaged pickle);
+                the message names the key and the file.
+        """
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception as exc:
+            path = self.location / info.relative_path
+            raise StateError(f"cannot unpickle {fqn!r} in {path}: {exc}", key=fqn) from exc
 
     def chunk(self, index: int, number: int) -> torch.Tensor:
         key = self.manifest.tensors[index].path[0]

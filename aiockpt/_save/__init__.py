@@ -290,7 +290,7 @@ async def _save(
         DistributedError: Another rank failed or was cancelled (names the ranks), or a collective timed out.
     """
     coordinator = world.rank == 0
-    exchanges = Exchanges(world)
+    exchanges = Exchanges(world, save=req.path.name)
     staged: Staged | None = None
     target = _target(req, limiter)
     try:

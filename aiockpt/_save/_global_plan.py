@@ -66,10 +66,11 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     """Assign every chunk held by any rank to exactly one writer and a file offset.
 
     Tensor ``i`` of the manifest is item ``i`` of rank 0 (the coordinator's tree refers to tensors by that
-    index); tensors that rank 0 does not hold follow in order of first appearance.
+    index); every rank holds the same tensors (SPMD), if not all of them in the same order.
 
     Raises:
-        StateError: Ranks disagree on a tensor's dtype or global shape, naming the key and the ranks.
+        StateError: Ranks disagree on a tensor's dtype or global shape, naming the key and the ranks, or
+            a rank holds a tensor that rank 0 does not.
     """
     world = len(plans)
     assert all(p.rank == r for r, p in enumerate(plans)), "local plans must be in rank order"
@@ -90,6 +91,15 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
             # position avoids hashing every key path of every rank.
             known = j if rank and j < len(base) and base[j].path == item.path else tensor_index.get(item.path)
             if known is None:
+                if rank:
+                    # The manifest's tree is rank 0's: nothing in it would lead to this tensor, whose
+                    # bytes would be written and never found again.
+                    raise StateError(
+                        f"rank {rank} holds tensor {render(item.path)!r}, which rank 0's state lacks: every "
+                        "rank saves the same keys (per-rank values belong in a DTensor sharded over the "
+                        "ranks, see docs/distributed.md)",
+                        key=render(item.path),
+                    )
                 t = tensor_index[item.path] = len(first)
                 first.append(item)
                 first_rank.append(rank)

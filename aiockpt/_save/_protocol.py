@@ -33,6 +33,10 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # event loop's thread would stall it).
     payload: memoryview = msgspec.field(default_factory=lambda: memoryview(b""))
     tmp: str = ""
+    # Which save and which exchange of it this is, filled in by ``Exchanges``: ranks that met in
+    # different ones (saves started in different orders on different ranks) fail instead of mixing them.
+    save: str = ""
+    step: str = ""
 
 
 _STATUS = msgspec.msgpack.Decoder(Status)
@@ -50,8 +54,9 @@ def describe(exc: BaseException) -> str:
 class Exchanges:
     """The state of one save's protocol on this rank."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, save: str = "") -> None:
         self.world = world
+        self.save = save  # the same on every rank for one save (its directory's name)
         self.done = 0  # exchanges begun
         self.settled = False  # every rank knows the outcome; no exchange remains
         self._pending: asyncio.Task[list[bytes]] | None = None
@@ -63,6 +68,7 @@ class Exchanges:
         :meth:`abort` later reads its result to know which exchanges remain.
         """
         assert STEPS[self.done] == step, f"exchange {step!r} out of order"
+        status = msgspec.structs.replace(status, save=self.save, step=step)
         # A large payload is copied into the message in a thread. Cancelled meanwhile, this rank has not
         # begun the exchange yet.
         if len(status.payload) > _INLINE_PAYLOAD:
@@ -72,7 +78,29 @@ class Exchanges:
         self.done += 1  # counted before awaiting: once begun, an exchange is in flight on every rank
         self._pending = asyncio.ensure_future(self.world.all_gather(message, what=f"save/{step}"))
         raw = await asyncio.shield(self._pending)
-        return [_STATUS.decode(r) for r in raw]
+        statuses = [_STATUS.decode(r) for r in raw]
+        self._check_in_step(step, statuses)
+        return statuses
+
+    def _check_in_step(self, step: str, statuses: list[Status]) -> None:
+        """Raise unless every rank was in this save's ``step`` exchange.
+
+        Every rank sees the same statuses, so all of them raise here, and none takes part in a further
+        exchange of this save (which would only meet another save's again).
+
+        Raises:
+            DistributedError: Naming the ranks that were in another save or exchange.
+        """
+        elsewhere = {r: s for r, s in enumerate(statuses) if (s.save, s.step) != (self.save, step)}
+        if not elsewhere:
+            return
+        self.settled = True
+        where = "; ".join(f"rank {r} in {s.step!r} of {s.save!r}" for r, s in sorted(elsewhere.items()))
+        raise DistributedError(
+            f"the save of {self.save!r} met another save in its {step!r} exchange ({where}): saves on one "
+            "process group must be made in the same order on every rank, one at a time",
+            ranks=sorted(elsewhere),
+        )
 
     async def _finish_pending(self) -> bool:
         """Wait for an exchange the caller was cancelled out of; return whether no exchange follows it."""
