@@ -329,3 +329,74 @@ def test_checkpointer_without_collectives(tmp_path: Path) -> None:
         "rank-00000-of-00002",
         "rank-00001-of-00002",
     ]
+
+
+async def _load_from_a_sub_group_save(rank: int, world: int, path: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    group = dist.new_group([0])  # (every rank makes it)
+    if rank == 0:
+        await aiockpt.save({"dt": dt}, path, process_group=group)  # holds only rank 0's half
+    dist.barrier()
+    plain: dict[str, object] = {"dt": torch.full((8,), -1.0)}
+    with pytest.raises(aiockpt.CorruptionError, match=r"key 'dt' .*elements \[4:8\]"):
+        await aiockpt.load(plain, path)
+    assert torch.equal(plain["dt"], torch.full((8,), -1.0))  # type: ignore[arg-type]
+    # A rank whose shard the checkpoint holds loads it; the other is refused, naming its shard.
+    target = distribute_tensor(torch.zeros(8), mesh, [Shard(0)])
+    try:
+        await aiockpt.load({"dt": target}, path)
+    except aiockpt.CorruptionError as exc:
+        return str(exc)
+    assert torch.equal(target.to_local(), torch.arange(4.0))
+    return "loaded"
+
+
+def test_a_load_refuses_chunks_that_do_not_cover_its_target(tmp_path: Path) -> None:
+    # A save over a sub-group that held half of a DTensor: loads used to leave the rest as it was.
+    loaded, refused = run_world(_load_from_a_sub_group_save, 2, tmp_path, str(tmp_path / "ckpt"), timeout=60)
+    assert loaded == "loaded"
+    assert "key 'dt'" in refused
+    assert "elements [4:8], wanted by this rank's shard [4:8]" in refused
+
+
+async def _load_tied_into_separate_dtensors(rank: int, world: int, path: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(24.0).reshape(6, 4)
+    tied = distribute_tensor(full, mesh, [Shard(0)])
+    await aiockpt.save({"emb": tied, "head": tied}, path)  # one tensor, saved once under two keys
+
+    def dt(*placements: Any) -> torch.Tensor:
+        return distribute_tensor(torch.zeros(6, 4), mesh, list(placements))
+
+    shared = dt(Shard(0))
+    targets: dict[str, dict[str, object]] = {
+        "the same layout": {"emb": dt(Shard(0)), "head": dt(Shard(0))},
+        "another layout": {"emb": dt(Shard(0)), "head": dt(Shard(1))},
+        "replicated second": {"emb": dt(Shard(0)), "head": dt(Replicate())},
+        "a plain second": {"emb": dt(Shard(1)), "head": torch.zeros(6, 4)},
+        "one DTensor twice": {"emb": shared, "head": shared},
+    }
+    wrong = []
+    for name, target in targets.items():
+        await aiockpt.load(target, path)
+        for key, value in target.items():
+            assert isinstance(value, torch.Tensor)
+            got = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if not torch.equal(got, full):
+                wrong.append(f"{name}: {key} = {got.tolist()}")
+    return wrong
+
+
+def test_tied_checkpoint_keys_fill_every_separate_dtensor_target(tmp_path: Path) -> None:
+    # The second DTensor target of a tensor saved once under two keys used to be skipped silently.
+    assert run_world(_load_tied_into_separate_dtensors, 2, tmp_path, str(tmp_path / "ckpt"), timeout=60) == [
+        [],
+        [],
+    ]

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
 from itertools import pairwise
 from pathlib import Path
 
+import crc32c
 import msgspec
 import pytest
 import torch
 from conftest import (
     assert_tree_equal,
+    flip_byte,
     make_model,
     make_optimizer,
     make_scheduler,
@@ -509,3 +512,200 @@ async def test_lazy_parameters_are_materialized_as_load_state_dict_does(ckpt_pat
     state: dict[str, object] = {"m": {"weight": torch.nn.UninitializedParameter(), "bias": torch.zeros(4)}}
     with pytest.raises(StateMismatchError, match="m/weight: the target holds an uninitialized lazy"):
         await aiockpt.load(state, ckpt_path)
+
+
+# --- Stored chunks that do not cover the target ---------------------------------------------------------
+
+
+def _forge_chunks(path: Path, key: str, boxes: list[tuple[int, int]]) -> None:
+    """Make the 1-d tensor ``key`` of the checkpoint at ``path`` stored as only the element ranges ``boxes``.
+
+    Each range becomes a chunk of the same data file at its own bytes, with its checksum: a checkpoint
+    that verifies, as one a save over a sub-group holding part of a DTensor writes.
+    """
+    file = path / MANIFEST_NAME
+    manifest = decode_manifest(file.read_bytes(), str(file))
+    tensors = []
+    for t in manifest.tensors:
+        if t.path == (key,):
+            (whole,) = t.chunks
+            size = whole.nbytes // t.shape[0]
+            data = (path / whole.file).read_bytes()
+            chunks = []
+            for lo, hi in boxes:
+                start, n = whole.offset + lo * size, (hi - lo) * size
+                crc = crc32c.crc32c(data[start : start + n])
+                chunks.append(
+                    msgspec.structs.replace(
+                        whole, offsets=(lo,), sizes=(hi - lo,), offset=start, nbytes=n, checksums=(crc,)
+                    )
+                )
+            t = msgspec.structs.replace(t, chunks=tuple(chunks))
+        tensors.append(t)
+    forged = msgspec.structs.replace(manifest, tensors=tuple(tensors))
+    file.write_bytes(b"".join(encode_manifest(forged)[0]))
+
+
+@pytest.mark.parametrize(("boxes", "hole"), [([(0, 4)], "[4:8]"), ([(0, 4), (6, 8)], "[4:6]"), ([], "[0:8]")])
+async def test_chunks_that_miss_part_of_a_tensor_are_refused_naming_the_key(
+    ckpt_path: Path, boxes: list[tuple[int, int]], hole: str
+) -> None:
+    # The stored chunks hold only part of "w": a load used to leave the rest of the target as it was,
+    # and a read to return uninitialized memory there, silently.
+    await aiockpt.save({"w": torch.arange(8.0), "v": torch.ones(3)}, ckpt_path)
+    _forge_chunks(ckpt_path, "w", boxes)
+    assert (await aiockpt.verify(ckpt_path)).ok  # every stored byte is intact: only coverage is wrong
+    target: dict[str, object] = {"w": torch.full((8,), -1.0), "v": torch.zeros(3)}
+    with pytest.raises(aiockpt.CorruptionError, match=rf"key 'w' .*elements \{hole}") as info:
+        await aiockpt.load(target, ckpt_path)
+    assert info.value.key == "w"
+    assert info.value.file == str(ckpt_path)
+    # Refused while planning, before any byte is read.
+    assert_tree_equal(target, {"w": torch.full((8,), -1.0), "v": torch.zeros(3)})
+    with pytest.raises(aiockpt.CorruptionError, match=rf"key 'w' .*elements \{hole}"):
+        await aiockpt.read(ckpt_path)
+
+
+async def test_chunks_that_cover_a_tensor_together_load_it(ckpt_path: Path) -> None:
+    await aiockpt.save({"w": torch.arange(8.0)}, ckpt_path)
+    _forge_chunks(ckpt_path, "w", [(4, 8), (0, 3), (3, 4), (0, 3)])  # out of order, and a box twice
+    target: dict[str, object] = {"w": torch.zeros(8)}
+    await aiockpt.load(target, ckpt_path)
+    assert torch.equal(tensor_at(target, "w"), torch.arange(8.0))
+    assert torch.equal(tensor_at(await aiockpt.read(ckpt_path), "w"), torch.arange(8.0))
+
+
+def test_uncovered_finds_holes_exactly_also_between_overlapping_boxes() -> None:
+    from aiockpt._load._read import _uncovered
+
+    dest_off, dest_size = (2, 0), (4, 6)  # rows 2..6, columns 0..6
+    assert _uncovered(dest_off, dest_size, [((0, 0), (8, 6))]) is None
+    assert _uncovered(dest_off, dest_size, [((0, 0), (4, 6)), ((4, 0), (4, 6))]) is None
+    # Overlapping boxes whose elements outnumber the destination's and still leave a hole.
+    overlapping = [((2, 0), (4, 4)), ((2, 0), (4, 3)), ((2, 5), (4, 1))]
+    assert _uncovered(dest_off, dest_size, overlapping) == [(2, 6), (4, 5)]
+    assert _uncovered(dest_off, dest_size, [((2, 0), (4, 6)), ((2, 1), (1, 1))]) is None
+    assert _uncovered((), (), []) == []  # a 0-d tensor stored nowhere
+    assert _uncovered((0,), (0,), []) is None  # nothing to cover
+
+
+# --- Collective-free checkpoints: one world size's parts, and keys only one part holds --------------------
+
+
+async def _save_part(step: Path, rank: int, world: int, state: dict[str, object]) -> Path:
+    part = step / f"rank-{rank:05d}-of-{world:05d}"
+    await aiockpt.save(state, part)
+    return part
+
+
+async def test_collective_free_parts_of_two_world_sizes_never_merge(tmp_path: Path) -> None:
+    # A 3-rank job published the parts of ranks 0 and 2 (rank 1 died); a 2-rank job then publishes the
+    # part of its rank 1. Together they name ranks 0, 1 and 2: that used to count as a complete 3-rank
+    # checkpoint, read as a mix of both saves.
+    from aiockpt._checkpointer import scan_steps
+    from aiockpt._load import is_checkpoint, published_parts, read_manifest
+
+    root = tmp_path / "root"
+    step = root / "step-00000005"
+    for rank in (0, 2):
+        await _save_part(step, rank, 3, {"w": torch.full((6,), 1.0)})
+    await _save_part(step, 1, 2, {"w": torch.full((6,), 2.0)})
+    assert not is_checkpoint(step)
+    assert scan_steps(root) == []
+    assert published_parts(step) == (3, [step / "rank-00000-of-00003", step / "rank-00002-of-00003"])
+    with pytest.raises(
+        aiockpt.CheckpointNotFoundError, match=r"ranks \[1\] \(of 3\).*other world sizes \(1 of 2\)"
+    ):
+        read_manifest(step)
+    with pytest.raises(aiockpt.CheckpointNotFoundError):
+        await aiockpt.read(step)
+    # The 2-rank job's rank 0 publishes too: its set is complete and is the checkpoint; the stale parts of
+    # the failed 3-rank save are left out, whatever their ranks.
+    await _save_part(step, 0, 2, {"w": torch.full((6,), 2.0)})
+    assert is_checkpoint(step)
+    assert scan_steps(root) == [5]
+    manifest = read_manifest(step)
+    assert manifest.world_size == 2
+    assert {f.name.split("/")[0] for f in manifest.files} == {"rank-00000-of-00002", "rank-00001-of-00002"}
+    assert torch.equal(tensor_at(await aiockpt.read(step), "w"), torch.full((6,), 2.0))
+    target: dict[str, object] = {"w": torch.zeros(6)}
+    await aiockpt.load(target, step)
+    assert torch.equal(tensor_at(target, "w"), torch.full((6,), 2.0))
+    async with aiockpt.Checkpointer(root) as ckpt:
+        assert ckpt.steps() == [5]
+
+
+async def test_collective_free_step_saved_twice_completely_reads_the_first_completed(tmp_path: Path) -> None:
+    # A committed step keeps what it held when it was committed, as the no-replace publication of each
+    # part promises: a second complete set of another world size (published later) is not read.
+    from aiockpt._load import is_checkpoint, read_manifest
+
+    step = tmp_path / "step-00000005"
+    first = [await _save_part(step, r, 2, {"w": torch.full((4,), 1.0)}) for r in range(2)]
+    later = [await _save_part(step, r, 3, {"w": torch.full((4,), 2.0)}) for r in range(3)]
+    # Completion times as the manifests' write times say, set rather than waited for.
+    for parts, ns in ((first, 1_000_000_000_000), (later, 2_000_000_000_000)):
+        for part in parts:
+            os.utime(part / MANIFEST_NAME, ns=(ns, ns))
+    assert is_checkpoint(step)
+    assert read_manifest(step).world_size == 2
+    assert torch.equal(tensor_at(await aiockpt.read(step), "w"), torch.full((4,), 1.0))
+
+
+async def test_collective_free_part_with_keys_rank_0_lacks_is_refused_by_name(tmp_path: Path) -> None:
+    # Per-rank keys, as docs/distributed.md advises for per-rank state: the merge is rank 0's tree, so
+    # rank 1's key was silently unreachable (a load then said it was missing from the checkpoint).
+    step = tmp_path / "step"
+    g = torch.Generator().manual_seed(0)
+    rng = [torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g) for _ in range(2)]
+    parts = [
+        await _save_part(step, r, 2, {"w": torch.ones(3), "rng": {f"rank{r}": rng[r]}}) for r in range(2)
+    ]
+    message = r"part rank-00001-of-00002 holds a tensor at key 'rng/rank1' that rank 0's part lacks"
+    with pytest.raises(aiockpt.FormatError, match=message) as info:
+        await aiockpt.read(step)
+    assert not isinstance(info.value, aiockpt.CorruptionError)
+    target: dict[str, object] = {"w": torch.zeros(3), "rng": {"rank1": torch.zeros(16, dtype=torch.uint8)}}
+    with pytest.raises(aiockpt.FormatError, match=message):
+        await aiockpt.load(target, step)
+    # Each part still reads on its own, by its directory.
+    assert torch.equal(tensor_at(await aiockpt.read(parts[1]), "rng", "rank1"), rng[1])
+    # Verification checks every part's bytes, reachable by a merge or not.
+    report = await aiockpt.verify(step)
+    assert report.ok
+    assert report.num_tensors == 3
+    rank1 = read_manifest_of(parts[1], "rng", "rank1")
+    flip_byte(parts[1] / rank1[0], rank1[1])
+    report = await aiockpt.verify(step)
+    assert [(p.key, p.file) for p in report.problems] == [("rng/rank1", str(parts[1] / rank1[0]))]
+
+
+def read_manifest_of(path: Path, *key: str) -> tuple[str, int]:
+    """``(data file, byte offset)`` of the single chunk of tensor ``key`` in the checkpoint at ``path``."""
+    from aiockpt._load import read_manifest
+
+    (entry,) = [t for t in read_manifest(path).tensors if t.path == key]
+    (chunk,) = entry.chunks
+    return chunk.file, chunk.offset
+
+
+@pytest.mark.parametrize(
+    ("rank1", "message"),
+    [
+        ({"x": 1, "more": {"y": 2}}, r"a dict at key 'more'"),
+        ({"x": torch.ones(2)}, r"a tensor at key 'x'"),
+        ({"x": 1, "l": [1, 2]}, r"a value at key 'l/1'"),
+        ({"l": [1], "x": 5}, None),  # the same keys in another order, another plain value: rank 0's
+    ],
+)
+async def test_collective_free_merge_refuses_what_rank_0s_tree_cannot_reach(
+    tmp_path: Path, rank1: dict[str, object], message: str | None
+) -> None:
+    step = tmp_path / "step"
+    await _save_part(step, 0, 2, {"x": 1, "l": [1]})
+    await _save_part(step, 1, 2, rank1)
+    if message is None:
+        assert await aiockpt.read(step) == {"x": 1, "l": [1]}
+        return
+    with pytest.raises(aiockpt.FormatError, match=rf"part rank-00001-of-00002 holds {message}"):
+        await aiockpt.read(step)

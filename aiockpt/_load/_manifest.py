@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import crc32c
@@ -17,11 +18,17 @@ from .._format import (
     MANIFEST_NAME,
     PART_RE,
     Chunk,
+    DictNode,
     KeyPath,
+    ListNode,
     Manifest,
+    Node,
     TensorEntry,
+    TensorNode,
+    TupleNode,
 )
 from .._gc import paused
+from .._tree import render
 
 
 def _read_one(path: Path) -> Manifest:
@@ -105,28 +112,75 @@ def decode_summary(raw: bytes, file: str) -> tuple[Manifest, int, int]:
     return manifest, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
-def published_parts(path: Path) -> tuple[int, list[Path]] | None:
-    """The published parts of a collective-free checkpoint: ``(world size, part dirs)``, or ``None``."""
+# The published parts of a collective-free checkpoint, per world size: rank -> (part dir, the time its
+# manifest was written, in ns).
+_PartSets = dict[int, dict[int, tuple[Path, int]]]
+
+
+def _part_sets(path: Path) -> _PartSets:
+    """Every published part under ``path``, grouped by the world size its name says. Blocking.
+
+    A part whose rank is not below its world size belongs to no set and is left out.
+    """
     try:
         names = os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
-        return None
-    found: dict[int, Path] = {}
-    world = 0
-    for name in names:
+        return {}
+    sets: _PartSets = {}
+    for name in sorted(names):  # (sorted: of two names for one rank, such as more digits, the first counts)
         m = PART_RE.fullmatch(name)
-        if m and os.path.isfile(path / name / MANIFEST_NAME):
-            found[int(m.group(1))] = path / name
-            world = max(world, int(m.group(2)))
-    if not found:
+        if m is None:
+            continue
+        rank, world = int(m.group(1)), int(m.group(2))
+        if rank >= world:
+            continue
+        try:
+            st = os.stat(path / name / MANIFEST_NAME)
+        except OSError:  # not published (yet): a part's manifest is written before its rename
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        sets.setdefault(world, {}).setdefault(rank, (path / name, st.st_mtime_ns))
+    return sets
+
+
+def _chosen(sets: _PartSets) -> int:
+    """The world size whose parts are the checkpoint, of ``sets`` (not empty).
+
+    Parts of different world sizes never merge: each set holds its own ranks' shards, so a mix reads some
+    elements from one save and some from another (or from none). A step can hold several sets when a
+    save of it failed part way and another job, of another size, saved it again. The complete set
+    counts (every rank ``0..N-1`` published); the others are leftovers. Of several complete sets, the
+    one completed first (the newest of its manifests is the oldest): the step was committed as that one,
+    and a commit never changes what a committed checkpoint holds (a part, like a collective save, is
+    published without replacing anything). Of incomplete sets only, the one that lacks the fewest parts
+    (the larger world on a tie), whose missing ranks an error then names.
+    """
+    complete = [w for w, ranks in sets.items() if len(ranks) == w]
+    if complete:
+        return min(complete, key=lambda w: (max(t for _, t in sets[w].values()), -w))
+    return min(sets, key=lambda w: (w - len(sets[w]), -w))
+
+
+def published_parts(path: Path) -> tuple[int, list[Path]] | None:
+    """The published parts of a collective-free checkpoint: ``(world size, part dirs by rank)``, or ``None``.
+
+    The parts are those of one world size only (see ``_chosen``): the complete set where there is one.
+    Blocking.
+    """
+    sets = _part_sets(path)
+    if not sets:
         return None
-    return world, [found[r] for r in sorted(found)]
+    world = _chosen(sets)
+    ranks = sets[world]
+    return world, [ranks[r][0] for r in sorted(ranks)]
 
 
 def is_checkpoint(path: Path) -> bool:
     """Whether ``path`` holds a committed checkpoint (cheap; verifies nothing). Blocking.
 
-    A collective-free checkpoint is committed once every rank has published its part.
+    A collective-free checkpoint is committed once every rank of one world size has published its part;
+    parts of several world sizes that only together name every rank are not a checkpoint.
     """
     if os.path.isfile(path / MANIFEST_NAME):
         return True
@@ -134,32 +188,47 @@ def is_checkpoint(path: Path) -> bool:
     return parts is not None and len(parts[1]) == parts[0]
 
 
-def read_manifest(path: Path, *, every_copy: bool = False) -> Manifest:
+def read_manifest(path: Path, *, every_copy: bool = False, reachable: bool = False) -> Manifest:
     """Read, verify and decode the manifest of the checkpoint at ``path``. Blocking.
 
-    A collective-free checkpoint (one published part per rank) is read as the merge of its parts; with
-    ``every_copy`` (verification), a chunk that several parts hold is listed once per part.
+    A collective-free checkpoint (one published part per rank) is read as the merge of the parts of one
+    world size (see ``_chosen``); with ``every_copy`` (verification), a chunk that several parts hold is
+    listed once per part. With ``reachable`` (a load or a read, which walk the merged tree), parts are
+    refused whose entries the merged tree cannot reach (see :func:`merge_parts`).
 
     Raises:
-        CheckpointNotFoundError: ``path`` does not exist or holds no manifest, or parts are missing.
-        FormatError: The manifest is not an aiockpt manifest or has a newer format version.
+        CheckpointNotFoundError: ``path`` does not exist or holds no manifest, or parts are missing (no
+            world size has all of its parts).
+        FormatError: The manifest is not an aiockpt manifest or has a newer format version, or the parts
+            cannot be merged (see :func:`merge_parts`).
         CorruptionError: The manifest's checksum does not match (names the file).
     """
     if not os.path.isfile(path / MANIFEST_NAME):
-        parts = published_parts(path)
-        if parts is not None:
-            world, dirs = parts
-            if len(dirs) != world:
-                have = sorted(int(PART_RE.fullmatch(d.name).group(1)) for d in dirs)  # type: ignore[union-attr]
-                missing = sorted(set(range(world)) - set(have))
-                raise CheckpointNotFoundError(
-                    f"{path} is incomplete: the parts of ranks {missing} (of {world}) were never published"
-                )
-            return merge_parts([(d.name, _read_one(d)) for d in dirs], every_copy=every_copy)
+        sets = _part_sets(path)
+        if sets:
+            world = _chosen(sets)
+            ranks = sets[world]
+            if len(ranks) != world:
+                raise CheckpointNotFoundError(_incomplete(path, sets, world))
+            dirs = [ranks[r][0] for r in sorted(ranks)]
+            parts = [(d.name, _read_one(d)) for d in dirs]
+            return merge_parts(parts, every_copy=every_copy, reachable=reachable)
     return _read_one(path)
 
 
-def merge_parts(parts: list[tuple[str, Manifest]], *, every_copy: bool = False) -> Manifest:
+def _incomplete(path: Path, sets: _PartSets, world: int) -> str:
+    """Why ``path``, whose parts are ``sets`` and none of them complete, is no checkpoint."""
+    missing = sorted(set(range(world)) - set(sets[world]))
+    why = f"{path} is incomplete: the parts of ranks {missing} (of {world}) were never published"
+    others = [f"{len(sets[w])} of {w}" for w in sorted(sets) if w != world]
+    if others:
+        why += f"; the parts of other world sizes ({', '.join(others)}) never merge with them"
+    return why
+
+
+def merge_parts(
+    parts: list[tuple[str, Manifest]], *, every_copy: bool = False, reachable: bool = False
+) -> Manifest:
     """One manifest for the parts of a collective-free checkpoint (``(part dir, manifest)`` by rank).
 
     The tree is rank 0's; tensors are merged by key path, a chunk held by several ranks (a replicated
@@ -167,9 +236,19 @@ def merge_parts(parts: list[tuple[str, Manifest]], *, every_copy: bool = False) 
     chunk is kept (``aiockpt.verify`` checks each: a load may read any of them, such as a part read on
     its own). File names are made relative to the checkpoint.
 
+    A part may hold keys that rank 0's lacks (per-rank state, a pipeline stage's own modules): the merged
+    tree, rank 0's, cannot reach them, although the merged tensors list theirs. With ``reachable`` (a
+    load or a read, which would silently miss them) such parts are refused; each part stays readable on
+    its own, by its directory. Without it (verification, which checks every part's bytes, reachable or
+    not, and ``aiockpt inspect``, which lists what is stored) they are merged as they are.
+
     Raises:
-        FormatError: Two parts disagree on a tensor's dtype or global shape.
+        FormatError: Two parts disagree on a tensor's dtype or global shape, or (with ``reachable``) a
+            part's tree holds a key that rank 0's lacks, or a tensor where rank 0's holds none (names the
+            first such key and the part).
     """
+    if reachable:
+        _check_trees(parts)
     entries: dict[KeyPath, tuple[TensorEntry, list[Chunk]]] = {}
     order: list[KeyPath] = []
     files = []
@@ -199,3 +278,61 @@ def merge_parts(parts: list[tuple[str, Manifest]], *, every_copy: bool = False) 
     return msgspec.structs.replace(
         base, tensors=tensors, files=tuple(files), world_size=len(parts), part_rank=None
     )
+
+
+def _check_trees(parts: list[tuple[str, Manifest]]) -> None:
+    """Refuse parts whose trees hold what rank 0's (``parts[0]``) cannot reach (see :func:`merge_parts`).
+
+    Raises:
+        FormatError: Names the first such key and its part.
+    """
+    base = parts[0][1].tree
+    for name, m in parts[1:]:
+        found = _unreachable(base, m.tree, ())
+        if found is not None:
+            key, what = found
+            raise FormatError(
+                f"cannot merge the parts of a collective-free checkpoint: part {name} holds {what} at key "
+                f"{render(key)!r} that rank 0's part lacks, and the merge (rank 0's tree) could not reach "
+                "it; read that part on its own, by its directory",
+                file=name,
+            )
+
+
+def _unreachable(base: Node, node: Node, path: KeyPath) -> tuple[KeyPath, str] | None:
+    """The first key path of ``node``'s tree that ``base``'s cannot reach, and what ``node`` holds there.
+
+    A key reaches a part's value when ``base`` has it too; a tensor of the part, only when ``base`` holds
+    a tensor there (merged tensors are found by key path). Values may differ (per-rank plain values are
+    rank 0's in the merge, as documented).
+    """
+    if node == base:  # the common case (SPMD: the same tree everywhere): one comparison, in C
+        return None
+    if isinstance(node, DictNode):
+        if not isinstance(base, DictNode):
+            return ((*path, node.keys[0]), _what(node.values[0])) if node.keys else None
+        # Keys in the same order (the common case) pair up without a lookup.
+        have = None if node.keys == base.keys else dict(zip(base.keys, base.values, strict=True))
+        for i, (k, child) in enumerate(zip(node.keys, node.values, strict=True)):
+            other = base.values[i] if have is None else have.get(k)
+            found = ((*path, k), _what(child)) if other is None else _unreachable(other, child, (*path, k))
+            if found is not None:
+                return found
+        return None
+    if isinstance(node, (ListNode, TupleNode)):
+        items = base.items if isinstance(base, (ListNode, TupleNode)) else ()
+        if len(node.items) > len(items):
+            return (*path, len(items)), _what(node.items[len(items)])
+        for i, (other, child) in enumerate(zip(items, node.items, strict=False)):
+            found = _unreachable(other, child, (*path, i))
+            if found is not None:
+                return found
+        return None
+    if isinstance(node, TensorNode) and not isinstance(base, TensorNode):
+        return path, "a tensor"
+    return None
+
+
+def _what(node: Node) -> str:
+    names = {DictNode: "a dict", ListNode: "a list", TupleNode: "a tuple", TensorNode: "a tensor"}
+    return names.get(type(node), "a value")

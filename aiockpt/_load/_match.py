@@ -55,10 +55,14 @@ class Destination:
     """Where tensor ``index`` of the manifest goes: ``tensor`` (in place) and any further tied targets.
 
     ``offsets`` places ``tensor`` in the global tensor when it is a shard (a DTensor's local tensor);
-    ``None`` means it is the whole tensor. ``view``, when set, is the bytes of a fresh contiguous
-    ``tensor``, cut from its slab's view (cheaper than a view made per tensor). ``mapped``: ``tensor`` is
-    a view of its data file's mapping (see ``_mapped``), whose pages the read stage populates and verifies
-    instead of reading into them.
+    ``None`` means it is the whole tensor. Keys that the checkpoint ties (one tensor saved once) and the
+    target holds apart are further targets: ``also`` holds those of ``tensor``'s box (copied from it once
+    it is read), ``shards`` those of another box (a DTensor laid out otherwise, a plain tensor where
+    ``tensor`` is a shard), each read from the chunks like ``tensor``.
+
+    ``view``, when set, is the bytes of a fresh contiguous ``tensor``, cut from its slab's view (cheaper
+    than a view made per tensor). ``mapped``: ``tensor`` is a view of its data file's mapping (see
+    ``_mapped``), whose pages the read stage populates and verifies instead of reading into them.
     """
 
     index: int
@@ -66,6 +70,7 @@ class Destination:
     fresh: bool
     also: list[torch.Tensor] = field(default_factory=list)
     offsets: tuple[int, ...] | None = None
+    shards: tuple[Destination, ...] = ()  # (a tuple: no list made per destination, as ``also`` is)
     view: memoryview | None = None
     mapped: bool = False
 
@@ -272,10 +277,14 @@ class _Matcher:
             if dtype_name(local.dtype) != entry.dtype or box.shape != entry.shape:
                 self.diff(f"{render(path)}: the target is a DTensor {dtype_name(local.dtype)}"
                           f"{list(box.shape)}, the checkpoint {_entry_desc(entry)}")  # fmt: skip
-            elif node.index not in self.plan.destinations:
-                self.plan.destinations[node.index] = Destination(
-                    node.index, local, False, offsets=box.offsets
-                )
+            else:
+                dest = self.plan.destinations.get(node.index)
+                if dest is None:
+                    self.plan.destinations[node.index] = Destination(
+                        node.index, local, False, offsets=box.offsets
+                    )
+                else:
+                    _tie(dest, local, box.offsets)
             return tmpl
         if isinstance(tmpl, torch.Tensor):
             return self.in_place(node, tmpl, path)
@@ -306,8 +315,8 @@ class _Matcher:
         dest = destinations.get(index)
         if dest is None:
             destinations[index] = Destination(index, tmpl, False)
-        elif dest.tensor is not tmpl and all(t is not tmpl for t in dest.also):
-            dest.also.append(tmpl)  # tied in the checkpoint, separate in the target
+        else:
+            _tie(dest, tmpl, None)
         return tmpl
 
     def fresh(self, node: TensorNode, path: KeyPath) -> object:
@@ -451,6 +460,37 @@ class _Slabs:
         if strides is None:
             strides = self.strides[shape] = contiguous_strides(shape)
         return strides
+
+
+def _tie(dest: Destination, tensor: torch.Tensor, offsets: tuple[int, ...] | None) -> None:
+    """``tensor`` (at ``offsets`` of the global tensor; ``None``: all of it) as a further target of ``dest``.
+
+    The checkpoint ties two keys that the target holds apart (see ``Destination``). A target of the box
+    of ``dest`` or of one of its shards is copied from that one once read; a target of another box is a
+    shard of its own. A target whose memory is already a destination's (the same tensor under two keys,
+    or views of one) is left alone: it is filled once.
+    """
+    box = _box(tensor, offsets)
+    for d in (dest, *dest.shards):
+        if _box(d.tensor, d.offsets) == box:
+            if not any(_same_memory(t, tensor) for t in (d.tensor, *d.also)):
+                d.also.append(tensor)
+            return
+    dest.shards = (*dest.shards, Destination(dest.index, tensor, False, offsets=offsets))
+
+
+def _box(t: torch.Tensor, offsets: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where ``t`` lies in the global tensor: its offsets and shape."""
+    return (offsets if offsets is not None else (0,) * t.dim()), tuple(t.shape)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (one tensor, or views alike)."""
+    return a is b or _layout(a) == _layout(b)
+
+
+def _layout(t: torch.Tensor) -> tuple[object, ...]:
+    return (t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

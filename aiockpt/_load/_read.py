@@ -15,6 +15,8 @@ populated from the file and verified in place, and never evicted (their pages ar
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import threading
 from collections import deque
@@ -117,8 +119,13 @@ def _plan_chunks(
     copies: list[Callable[[], None]],
     keep: list[torch.Tensor],
     hold: _Hold | None,
+    where: str | None,
 ) -> None:
-    """Plan the reads of ``dest`` from every chunk of ``entry`` that overlaps it (see :func:`prepare`)."""
+    """Plan the reads of ``dest`` from every chunk of ``entry`` that overlaps it (see :func:`prepare`).
+
+    Raises:
+        CorruptionError: The chunks do not cover every element of ``dest`` (see :func:`_uncovered`).
+    """
     target = dest.tensor
     d_size = tuple(target.shape)
     d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
@@ -128,13 +135,27 @@ def _plan_chunks(
         keep.append(staging)
         copies.append(lambda t=target, s=staging: t.copy_(s, non_blocking=t.is_cuda))  # type: ignore[misc]
         target = staging
+    # Elements of ``dest`` the chunks hold, counted per chunk. The chunks of one tensor do not overlap (a
+    # save writes each box once; a merge of parts keeps one copy of a box, and a box listed twice is read
+    # once here), so a count short of the destination's means some of it is in no chunk, and an equal one
+    # that all of it is read. Only exact copies are dropped, so an overlap (one part's whole tensor,
+    # another's shard of it) counts more, and is checked exactly.
+    covered = 0
+    boxes: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()  # (of the chunks that overlap ``dest``)
     for chunk in entry.chunks:
-        if chunk.offsets == d_off and chunk.sizes == d_size:
+        exact = chunk.offsets == d_off and chunk.sizes == d_size
+        inter = None if exact else _overlap(chunk.offsets, chunk.sizes, d_off, d_size)
+        if inter is None and not exact:
+            continue
+        box = (chunk.offsets, chunk.sizes)
+        if box in boxes:
+            continue
+        boxes.add(box)
+        if inter is None:
+            covered += target.numel()
             reads.append(_into(index, chunk, target, sink, hold))
             continue
-        inter = _overlap(chunk.offsets, chunk.sizes, d_off, d_size)
-        if inter is None:
-            continue
+        covered += math.prod(hi - lo for lo, hi in inter)
         if (
             d_size
             and chunk.offsets[1:] == d_off[1:]
@@ -152,6 +173,63 @@ def _plan_chunks(
         dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
         copies.insert(0, lambda t=target, b=buf, s=src, d=dst: t[d].copy_(b[s]))  # type: ignore[misc]
         reads.append(_Read(index, chunk, byte_view(buf)))
+    if covered != target.numel():
+        _check_covered(entry, d_off, d_size, where)
+
+
+def _check_covered(
+    entry: TensorEntry, d_off: tuple[int, ...], d_size: tuple[int, ...], where: str | None
+) -> None:
+    """Refuse a destination (the box ``d_off``, ``d_size`` of ``entry``) that its chunks do not cover.
+
+    Raises:
+        CorruptionError: Names the key, the checkpoint and a box of the destination that no chunk holds.
+    """
+    hole = _uncovered(d_off, d_size, [(c.offsets, c.sizes) for c in entry.chunks])
+    if hole is None:
+        return
+    key = render(entry.path)
+    whole = d_off == (0,) * len(d_size) and d_size == entry.shape
+    dest = _render_box([(o, o + n) for o, n in zip(d_off, d_size, strict=True)])
+    raise CorruptionError(
+        f"{where or 'the checkpoint'} does not hold all of key {key!r} (global shape {list(entry.shape)}): "
+        f"no stored chunk has its elements {_render_box(hole)}, wanted by "
+        + ("the target" if whole else f"this rank's shard {dest}")
+        + "; no rank of the save held them (such as a save over a sub-group that held part of a DTensor)",
+        file=where,
+        key=key,
+    )
+
+
+def _uncovered(
+    d_off: tuple[int, ...], d_size: tuple[int, ...], boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> list[tuple[int, int]] | None:
+    """A box of the destination ``d_off``, ``d_size`` that none of ``boxes`` covers, or ``None``.
+
+    Exact, overlapping boxes included: the destination is cut at every box's edges, and each cell is
+    covered wholly or not at all. Only run where counting elements found a shortfall or an overlap.
+    """
+    cuts = []
+    for dim, (o, n) in enumerate(zip(d_off, d_size, strict=True)):
+        edges = {o, o + n}
+        for offsets, sizes in boxes:
+            edges.update(e for e in (offsets[dim], offsets[dim] + sizes[dim]) if o < e < o + n)
+        ordered = sorted(edges)
+        cuts.append(list(itertools.pairwise(ordered)))
+    for cell in itertools.product(*cuts):
+        if not any(
+            all(
+                off <= lo and hi <= off + size
+                for (lo, hi), off, size in zip(cell, offsets, sizes, strict=True)
+            )
+            for offsets, sizes in boxes
+        ):
+            return list(cell)
+    return None
+
+
+def _render_box(box: Sequence[tuple[int, int]]) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
 
 
 # A destination's memory, as a load writes it in place: its address, its extent in bytes, and whether it
@@ -253,7 +331,11 @@ def _staged(
 
 
 def prepare(
-    manifest: Manifest, destinations: dict[int, Destination], *, sinks: bool = False
+    manifest: Manifest,
+    destinations: dict[int, Destination],
+    *,
+    sinks: bool = False,
+    where: str | None = None,
 ) -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor]]:
     """Plan the reads of every destination; return the reads, the copies to run after them, and buffers.
 
@@ -262,7 +344,10 @@ def prepare(
     a host buffer, verified, and its intersection copied into place. With ``sinks`` (readers that can
     copy to the device, see ``_device``), the same two cases of a contiguous GPU target are reads into
     the target's bytes; otherwise a GPU target gets a host tensor of its shape, copied after the reads.
-    The copies end by waiting for every copy to a GPU.
+    The copies end by waiting for every copy to a GPU. ``where`` names the checkpoint in errors.
+
+    Raises:
+        CorruptionError: The chunks of a tensor do not cover all of a destination of it (names the key).
     """
     reads: list[_Read] = []
     copies: list[Callable[[], None]] = []
@@ -270,8 +355,9 @@ def prepare(
     devices: set[torch.device] = set()
     hold: _Hold | None = None
     if in_use():  # (without CUDA in use no tensor is on a GPU: loads of 10^4 tensors skip these passes)
-        devices = cuda_devices(t for d in destinations.values() for t in (d.tensor, *d.also))
-        longest = max((d.tensor.nbytes for d in destinations.values() if d.tensor.is_cuda), default=0)
+        every = [s for d in destinations.values() for s in (d, *d.shards)]
+        devices = cuda_devices(t for d in every for t in (d.tensor, *d.also))
+        longest = max((d.tensor.nbytes for d in every if d.tensor.is_cuda), default=0)
         if sinks and longest:
             # Never written (pages of an untouched allocation cost nothing): it only sizes sink reads.
             sizer = torch.empty(longest, dtype=torch.uint8, device="cpu")
@@ -287,15 +373,19 @@ def prepare(
     late: list[Callable[[], None]] = []  # copies into the memory of tied destinations, in their order
     for (index, dest), mem in zip(destinations.items(), memory, strict=True):
         entry = tensors[index]
+        shards = dest.shards
         if index in tied:
             dest, mem = _staged(dest, entry, keep, late), None
         view = _whole_view(entry, dest, mem)
         if view is not None:
             reads.append(_Read(index, entry.chunks[0], view, None, dest.mapped))
         else:
-            _plan_chunks(index, entry, dest, reads, copies, keep, hold)
+            _plan_chunks(index, entry, dest, reads, copies, keep, hold, where)
         if dest.also:  # tied in the checkpoint, separate in the target: copied once read
             copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
+        for shard in shards:  # tied in the checkpoint, apart in the target, laid out otherwise: read too
+            _plan_chunks(index, entry, shard, reads, copies, keep, hold, where)
+            copies.extend(lambda o=other, t=shard.tensor: o.copy_(t) for other in shard.also)  # type: ignore[misc]
     copies.extend(late)
     if devices:
         copies.append(partial(wait, devices))
@@ -426,7 +516,7 @@ async def read_into(
 
     def plan_reads() -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor], _ByFile, int]:
         with paused():
-            reads, copies, keep = prepare(manifest, destinations, sinks=True)
+            reads, copies, keep = prepare(manifest, destinations, sinks=True, where=str(directory))
             checksums.extend(r.chunk.checksums for r in reads)
             by_file: dict[str, list[Piece]] = {}
             to_gpu: dict[str, list[Piece]] = {}  # bound for GPU tensors: in runs of their own
