@@ -216,8 +216,6 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _utf8(s: str) -> bool:
     """Whether ``s`` can be encoded as UTF-8 (it has no lone surrogate), as every str of a manifest is."""
-    if s.isascii():
-        return True
     try:
         s.encode()
     except UnicodeEncodeError:
@@ -238,7 +236,7 @@ class _Flattener:
     def node(self, obj: object, path: KeyPath) -> Node:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
-        if type(obj) is str and not _utf8(obj):
+        if type(obj) is str and not obj.isascii() and not _utf8(obj):  # (ASCII: no call per str)
             raise StateError(
                 f"cannot save the str at key {render(path)!r}: it is not valid Unicode (a lone surrogate) "
                 "and cannot be encoded as UTF-8",
@@ -300,7 +298,7 @@ class _Flattener:
                     "([-2**63, 2**64 - 1])",
                     key=render((*path, k)),
                 )
-            if type(k) is str and not _utf8(k):
+            if type(k) is str and not k.isascii() and not _utf8(k):  # (ASCII: no call per key)
                 raise StateError(
                     f"key {k!r} under {render(path)!r} is not valid Unicode (a lone surrogate) and cannot be "
                     "encoded as UTF-8",
@@ -317,15 +315,14 @@ class _Flattener:
             t, box = shard_of(t, path)
         check_tensor(t, path)
         tie = _tie_key(t, box) if t.numel() > 0 else None
-        if tie is not None:
-            seen = self.seen.get(tie)
-            if seen is not None and _same_values(self.tensors[seen], t):
-                return TensorNode(index=seen)
+        seen = None if tie is None else self.seen.get(tie)
+        if seen is not None and _same_values(self.tensors[seen], t):
+            return TensorNode(index=seen)
         index = len(self.tensors)
         self.tensors.append(t)
         self.paths.append(path)
         self.boxes.append(box)
-        if tie is not None and tie not in self.seen:  # (the first of the bytes' views is tied to)
+        if tie is not None and seen is None:  # (the first view of these bytes is the one tied to)
             self.seen[tie] = index
         return TensorNode(index=index)
 
