@@ -99,7 +99,10 @@ def _plan(manifest: Manifest) -> tuple[list[_Item], dict[str, list[Piece]]]:
     points them into its own buffer just before reading their run.
     """
     block = manifest.checksum_block
-    blank = memoryview(bytes(block))
+    # No piece is longer than a block, nor than its chunk: a checkpoint saved with a huge block (any
+    # multiple of 4096 is allowed) needs no placeholder of that size.
+    longest = max((c.nbytes for t in manifest.tensors for c in t.chunks), default=0)
+    blank = memoryview(bytes(min(block, longest)))
     items: list[_Item] = []
     by_file: dict[str, list[Piece]] = {}
     for t, entry in enumerate(manifest.tensors):

@@ -54,6 +54,17 @@ async def test_an_intact_checkpoint_verifies(ckpt_path: Path) -> None:
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
 
 
+async def test_a_checkpoint_saved_with_a_huge_checksum_block_verifies_and_finds_damage(
+    ckpt_path: Path,
+) -> None:
+    """Any multiple of 4096 is a valid block; verify made a zero placeholder of a block's size (1 TiB
+    here: a MemoryError) where no piece is longer than its chunk."""
+    await aiockpt.save(_state(), ckpt_path, io=aiockpt.IOConfig(checksum_block=1 << 40))
+    assert (await aiockpt.verify(ckpt_path)).ok
+    flip_byte(ckpt_path / "data-r00000.bin", 5)
+    assert not (await aiockpt.verify(ckpt_path)).ok
+
+
 async def test_an_error_in_the_progress_callback_is_raised_as_it_is(ckpt_path: Path) -> None:
     await aiockpt.save(_state(), ckpt_path)
 
