@@ -190,6 +190,23 @@ def test_ls_shows_steps_latest_and_flags_what_is_not_a_checkpoint(root: Path) ->
 # --- inspect --------------------------------------------------------------------------------------------
 
 
+def test_ls_flags_a_damaged_manifest_and_exits_1(root: Path) -> None:
+    """It was listed with the decoder's message only and ``ls`` exited 0, where the docs promise
+    ``damaged manifest: ...`` and exit code 1 for damage found."""
+    _save_steps(root, [10, 20])
+    flip_byte(root / "step-00000020" / MANIFEST_NAME, 40)
+    text, as_json = cli_many(("ls", root), ("ls", "--json", root))
+    assert text.returncode == 1, text.stderr
+    assert "! damaged manifest: " in _key_line(text.stdout, "20")
+    assert "(1 with a damaged manifest)" in text.stdout
+    assert as_json.returncode == 1
+    rows = {r["step"]: r for r in json.loads(as_json.stdout)["steps"]}
+    assert rows[20]["damaged"] is True
+    assert rows[20]["problem"].startswith("damaged manifest: ")
+    assert rows[10]["damaged"] is False
+    assert rows[10]["problem"] is None
+
+
 def test_inspect_describes_every_tensor_and_value(root: Path, tmp_path: Path) -> None:
     _save_steps(root, [5, 7])
     path = root / "step-00000007"

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._checkpointer import LATEST, STEP_RE
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptionError
 from .._format import PART_RE, part_dir_name
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, owner_alive
 from .._load import is_checkpoint, published_parts, read_manifest
@@ -40,6 +40,7 @@ class StepRow:
     collective_free: bool = False
     latest: bool = False
     problem: str | None = None
+    damaged: bool = False  # its manifest fails verification: ``ls`` exits 1, as ``verify`` does
 
 
 @dataclass
@@ -78,8 +79,11 @@ def _step_row(path: Path, step: int) -> StepRow:
     row.committed = True
     try:
         manifest = read_manifest(path)
-    except CheckpointError as exc:
-        row.problem = str(exc)
+    except CorruptionError as exc:
+        row.problem, row.damaged = f"damaged manifest: {exc}", True
+        return row
+    except CheckpointError as exc:  # (a newer format version, say: not damage)
+        row.problem = f"unreadable manifest: {exc}"
         return row
     row.created_at = manifest.created_at
     row.created = iso_utc(manifest.created_at)
@@ -182,6 +186,8 @@ def _render(root: Path, steps: list[StepRow], others: list[OtherRow], latest: st
         click.echo(f"! {o.name}: {o.kind} ({human_bytes(o.nbytes)}): {o.detail}")
     total = sum(r.nbytes for r in committed)
     summary = f"{len(committed)} committed step(s), {human_bytes(total)}"
+    if damaged := sum(r.damaged for r in steps):
+        summary += f" ({damaged} with a damaged manifest)"
     if latest is not None:
         summary += f"; latest -> {latest}"
         if not any(r.latest for r in committed):
@@ -192,12 +198,13 @@ def _render(root: Path, steps: list[StepRow], others: list[OtherRow], latest: st
 @click.command("ls", short_help="List the checkpoints of a Checkpointer root.")
 @click.argument("root")
 @json_option
-def command(root: str, as_json: bool) -> None:
+def command(root: str, as_json: bool) -> int:
     """List the checkpoints of a Checkpointer ROOT.
 
     Shows each step with its creation time, size on disk, tensor count and number of ranks, marks the
     one `latest` points to, and flags what is not a complete checkpoint: saves in progress, temp data
-    of crashed saves, interrupted deletions, collective-free checkpoints with missing parts.
+    of crashed saves, interrupted deletions, collective-free checkpoints with missing parts, and steps
+    whose manifest is damaged (then it exits with 1, as verify does).
     """
     directory = local(root, "the aiockpt command line")
     steps, others, latest = list_root(directory)
@@ -213,3 +220,4 @@ def command(root: str, as_json: bool) -> None:
         )
     else:
         _render(directory, steps, others, latest)
+    return 1 if any(r.damaged for r in steps) else 0  # damage found, as with ``verify``
