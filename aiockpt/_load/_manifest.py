@@ -162,6 +162,11 @@ def _chosen(sets: _PartSets) -> int:
     return min(sets, key=lambda w: (w - len(sets[w]), -w))
 
 
+def _in_rank_order(ranks: dict[int, tuple[Path, int]]) -> list[Path]:
+    """The part directories of one set of :func:`_part_sets`, by rank."""
+    return [ranks[r][0] for r in sorted(ranks)]
+
+
 def published_parts(path: Path) -> tuple[int, list[Path]] | None:
     """The published parts of a collective-free checkpoint: ``(world size, part dirs by rank)``, or ``None``.
 
@@ -173,7 +178,7 @@ def published_parts(path: Path) -> tuple[int, list[Path]] | None:
         return None
     world = _chosen(sets)
     ranks = sets[world]
-    return world, [ranks[r][0] for r in sorted(ranks)]
+    return world, _in_rank_order(ranks)
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -210,8 +215,7 @@ def read_manifest(path: Path, *, every_copy: bool = False, reachable: bool = Fal
             ranks = sets[world]
             if len(ranks) != world:
                 raise CheckpointNotFoundError(_incomplete(path, sets, world))
-            dirs = [ranks[r][0] for r in sorted(ranks)]
-            parts = [(d.name, _read_one(d)) for d in dirs]
+            parts = [(d.name, _read_one(d)) for d in _in_rank_order(ranks)]
             return merge_parts(parts, every_copy=every_copy, reachable=reachable)
     return _read_one(path)
 

@@ -326,8 +326,13 @@ def _staged(
     staging = torch.empty(tuple(dest.tensor.shape), dtype=dtype_from_name(entry.dtype), device="cpu")
     keep.append(staging)
     late.append(lambda t=dest.tensor, s=staging: t.copy_(s, non_blocking=t.is_cuda))  # type: ignore[misc]
-    late.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
+    late.extend(_into_also(dest))
     return Destination(dest.index, staging, True, offsets=dest.offsets)
+
+
+def _into_also(dest: Destination) -> list[Callable[[], None]]:
+    """The copies of ``dest.tensor``, once filled, into its further targets of the same box (``also``)."""
+    return [lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also]  # type: ignore[misc]
 
 
 def prepare(
@@ -382,10 +387,10 @@ def prepare(
         else:
             _plan_chunks(index, entry, dest, reads, copies, keep, hold, where)
         if dest.also:  # tied in the checkpoint, separate in the target: copied once read
-            copies.extend(lambda o=other, t=dest.tensor: o.copy_(t) for other in dest.also)  # type: ignore[misc]
+            copies += _into_also(dest)
         for shard in shards:  # tied in the checkpoint, apart in the target, laid out otherwise: read too
             _plan_chunks(index, entry, shard, reads, copies, keep, hold, where)
-            copies.extend(lambda o=other, t=shard.tensor: o.copy_(t) for other in shard.also)  # type: ignore[misc]
+            copies += _into_also(shard)
     copies.extend(late)
     if devices:
         copies.append(partial(wait, devices))
