@@ -1,4 +1,4 @@
-"""A per-event-loop task group that hosts background saves (``async_op=True``).
+"""A per-event-loop task group that hosts background saves (``async_op=True``) and other background work.
 
 A background save must outlive the call that started it, so it cannot live in the caller's task. Each
 running asyncio loop gets one long-lived task owning an anyio task group; saves are started into it with
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -63,3 +64,13 @@ async def start_background(
     assert runner.tg is not None
     result: SaveHandle = await runner.tg.start(handle._drive, body)
     return result
+
+
+async def start_soon(work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``work`` in the background, in the event loop's task group; return at once.
+
+    ``work`` must not raise but for cancellation: an exception would cancel every background save.
+    """
+    runner = await _runner()
+    assert runner.tg is not None
+    runner.tg.start_soon(work)

@@ -21,6 +21,7 @@ import torch
 from conftest import assert_tree_equal, listdir, read_text, tmp_entries
 
 import aiockpt
+import aiockpt._checkpointer
 import aiockpt._fs
 from aiockpt import BusyError, Checkpointer, CheckpointNotFoundError, SaveState
 from aiockpt._fs import LOCK_SUFFIX, OwnerLock, collect_garbage, owner_alive, write_durable
@@ -217,6 +218,7 @@ async def test_keep_every_steps_are_kept_forever_and_the_newest_is_never_deleted
         await ckpt.save(filled(8), step=8)
         assert ckpt.steps() == [3, 6, 9, 10]
         assert read_text(root / "latest") == step_dir(10) + "\n"
+        await ckpt.wait()  # the pruned steps' trees are removed in the background
         assert tmp_entries(root) == []
     async with Checkpointer(root, keep_last=1) as again:
         assert again.steps() == [3, 6, 9, 10]  # opening prunes nothing
@@ -270,7 +272,82 @@ async def test_a_step_being_loaded_is_not_pruned_until_the_load_ends(root: Path)
         await ckpt.save(filled(4), step=4)
         assert ckpt.steps() == [4]
         assert on_disk(root) == [step_dir(4)]
+        await ckpt.wait()
         assert tmp_entries(root) == []
+
+
+async def test_retention_removes_old_steps_after_the_save_returns_and_before_the_next_one_writes(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Unlinking a large file can take long (2 GiB: ~0.26 s on ext4 mounted with `discard`): a save is
+    # durable, and returns, without waiting for it; the next save waits before writing (for the space).
+    entered, release = threading.Event(), threading.Event()
+    removed: list[str] = []
+    remove_trees = aiockpt._checkpointer._remove_trees
+
+    def held(trees: list[Path]) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the removal"
+        remove_trees(trees)
+        removed.extend(t.name for t in trees)
+
+    monkeypatch.setattr(aiockpt._checkpointer, "_remove_trees", held)
+    async with Checkpointer(root, keep_last=1) as ckpt:
+        await ckpt.save(filled(1), step=1)
+        with anyio.fail_after(30):
+            await ckpt.save(filled(2), step=2)  # step 1's removal is held: the save must not wait for it
+        assert await anyio.to_thread.run_sync(entered.wait, 30), "step 1 was never removed"
+        # Step 1 is gone for every reader already: renamed away, out of the index, `latest` on step 2.
+        assert ckpt.steps() == [2]
+        assert on_disk(root) == [step_dir(2)]
+        assert read_text(root / "latest") == step_dir(2) + "\n"
+        trash = [n for n in tmp_entries(root) if n.startswith(".tmp-del-step-00000001-")]
+        assert len(trash) == 1, tmp_entries(root)
+        handle = await ckpt.save(filled(3), step=3, async_op=True)
+        closed = anyio.Event()
+
+        async def drain() -> None:
+            await ckpt.wait()
+            closed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drain)
+            await anyio.sleep(0.3)
+            # Staged, but not writing until the removal ends; and wait() waits for the removal too.
+            assert handle.state is SaveState.STAGED
+            assert not closed.is_set()
+            release.set()
+        assert (await handle).step == 3
+        await ckpt.wait()  # step 3's commit took out step 2: its removal too
+        assert removed[:1] == trash
+        assert [n[: len(".tmp-del-step-00000002-")] for n in removed[1:]] == [".tmp-del-step-00000002-"]
+        assert ckpt.steps() == [3]
+        assert on_disk(root) == [step_dir(3)]
+        assert tmp_entries(root) == []
+        assert_tree_equal(await ckpt.read(), filled(3))
+
+
+async def test_a_failed_removal_warns_and_the_next_open_collects_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(trees: list[Path]) -> None:
+        raise PermissionError(13, "Permission denied", str(next(iter(trees))))
+
+    monkeypatch.setattr(aiockpt._checkpointer, "_remove_trees", failing)
+    async with Checkpointer(root, keep_last=1) as ckpt:
+        await ckpt.save(filled(1), step=1)
+        await ckpt.save(filled(2), step=2)
+        with pytest.warns(RuntimeWarning, match="removing steps that retention deleted"):
+            await ckpt.wait()  # the removal runs in the background: its warning comes meanwhile
+        assert ckpt.steps() == [2]
+        assert [n for n in tmp_entries(root) if n.startswith(".tmp-del-")] != []
+        await ckpt.save(filled(3), step=3)  # the failure does not hold up later saves
+        await ckpt.wait()
+    monkeypatch.undo()
+    async with Checkpointer(root) as again:
+        assert tmp_entries(root) == []
+        assert again.steps() == [3]
+        assert_tree_equal(await again.read(), filled(3))
 
 
 async def test_an_interrupted_deletion_is_finished_by_the_next_open(root: Path) -> None:

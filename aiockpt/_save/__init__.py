@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -56,6 +56,9 @@ class SaveRequest:
     io: IOConfig = field(default_factory=IOConfig)
     # Collective-free saves: (rank, world size) of the part this process writes alone.
     part: tuple[int, int] | None = None
+    # Awaited by the coordinator before the plan is shared, so before any rank writes: a Checkpointer's
+    # removal of the steps its retention deleted, whose space the save may need.
+    settle: Callable[[], Awaitable[None]] | None = None
 
 
 def _plan_local(rank: int, staged: Staged) -> bytes:
@@ -309,6 +312,8 @@ async def _save(
         metrics.phase("local_plan")
 
         # --- global plan: every rank computes the same pure plan from everyone's local plans
+        if coordinator and req.settle is not None:
+            await req.settle()
         mine = Status(ok=True, payload=memoryview(local), tmp=token)
         statuses = await exchanges.exchange("plan", mine)
         exchanges.check("plan", statuses)
