@@ -336,9 +336,13 @@ async def test_a_failed_removal_warns_and_the_next_open_collects_it(
     monkeypatch.setattr(aiockpt._checkpointer, "_remove_trees", failing)
     async with Checkpointer(root, keep_last=1) as ckpt:
         await ckpt.save(filled(1), step=1)
-        await ckpt.save(filled(2), step=2)
+
+        async def save_and_wait() -> None:
+            await ckpt.save(filled(2), step=2)
+            await ckpt.wait()  # the removal runs in the background: its warning comes by now
+
         with pytest.warns(RuntimeWarning, match="removing steps that retention deleted"):
-            await ckpt.wait()  # the removal runs in the background: its warning comes meanwhile
+            await save_and_wait()
         assert ckpt.steps() == [2]
         assert [n for n in tmp_entries(root) if n.startswith(".tmp-del-")] != []
         await ckpt.save(filled(3), step=3)  # the failure does not hold up later saves
