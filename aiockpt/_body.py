@@ -22,6 +22,7 @@ import msgspec
 from ._codec import SLICE, SlicedDecoder, encode_parts, slice_blobs
 from ._format import (
     FORMAT_VERSION,
+    MAX_READ_DEPTH,
     BytesNode,
     DictNode,
     Key,
@@ -108,7 +109,8 @@ def tree_from_blobs(blobs: Sequence[bytes | memoryview]) -> DictNode:
     Raises:
         msgspec.ValidationError: The records do not form one tree whose root is a dict: a record after
             the root is complete, a key where none belongs (or none where one does), a container whose
-            records end early. The message names the record by its index.
+            records end early, containers nested more than :data:`~._format.MAX_READ_DEPTH` levels deep.
+            The message names the record by its index.
         msgspec.DecodeError: A blob is not valid msgpack.
     """
     stack: list[_Open] = []
@@ -141,6 +143,9 @@ def tree_from_blobs(blobs: Sequence[bytes | memoryview]) -> DictNode:
                 raise bad("a record follows the complete tree")
             node: Node
             if isinstance(record, OpenNode):
+                if len(stack) >= MAX_READ_DEPTH:
+                    # (Refused before the nesting is built: nothing recurses into a tree deeper than this.)
+                    raise bad(f"the tree nests containers more than {MAX_READ_DEPTH} levels deep")
                 if record.size:
                     stack.append(_Open(key, record))
                     continue

@@ -29,6 +29,13 @@ MANIFEST_NAME = "manifest.msgpack"
 Key = str | int
 KeyPath = tuple[Key, ...]
 
+# The deepest nesting of containers a reader accepts (a container under ``MAX_READ_DEPTH`` others is
+# refused, the root dict being the first). Saves refuse more than ``_tree.MAX_DEPTH`` (100) levels; releases
+# before that check wrote deeper states, of which loads read up to about 330 levels (each level costs the
+# matcher two or three frames of recursion) and ended in a ``RecursionError`` beyond. A manifest deeper than
+# this is damaged or forged, and refused before anything recurses into it.
+MAX_READ_DEPTH = 256
+
 
 def data_file_name(rank: int) -> str:
     """Return the name of the data file written by ``rank``."""

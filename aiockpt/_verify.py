@@ -92,32 +92,69 @@ class _Problems:
         return tuple(self._found[i] for i in sorted(self._found, key=order))
 
 
-def _plan(manifest: Manifest) -> tuple[list[_Item], dict[str, list[Piece]]]:
-    """Every chunk, and per data file its checksum blocks as pieces sorted by offset.
+def _sizes(directory: Path, manifest: Manifest) -> dict[str, int | None]:
+    """The size of each data file the chunks name (``None``: missing). Blocking.
+
+    Raises:
+        StorageError: A data file exists but cannot be looked up.
+    """
+    sizes: dict[str, int | None] = {}
+    for entry in manifest.tensors:
+        for chunk in entry.chunks:
+            if chunk.file in sizes:
+                continue
+            try:
+                sizes[chunk.file] = os.stat(directory / chunk.file).st_size
+            except FileNotFoundError:
+                sizes[chunk.file] = None
+            except OSError as exc:
+                file = directory / chunk.file
+                raise StorageError(f"cannot open {file}: {exc.strerror or exc}", path=str(file)) from exc
+    return sizes
+
+
+def _plan(
+    manifest: Manifest, sizes: dict[str, int | None]
+) -> tuple[list[_Item], dict[str, list[Piece]], list[tuple[int, str]]]:
+    """Every chunk; per data file the checksum blocks of its chunks as pieces sorted by offset; the rest.
 
     The pieces' views are placeholders of the right length (slices of one shared zero block); a worker
-    points them into its own buffer just before reading their run.
+    points them into its own buffer just before reading their run. A chunk that does not lie inside its
+    data file (``sizes``, see :func:`_sizes`) gets no pieces: it is one of the rest, ``(item, what is
+    wrong)``, so that no placeholder is longer than the data files (the manifest of a damaged checkpoint
+    can say any byte count).
     """
     block = manifest.checksum_block
-    # No piece is longer than a block, nor than its chunk: a checkpoint saved with a huge block (any
-    # multiple of 4096 is allowed) needs no placeholder of that size.
-    longest = max((c.nbytes for t in manifest.tensors for c in t.chunks), default=0)
-    blank = memoryview(bytes(min(block, longest)))
     items: list[_Item] = []
-    by_file: dict[str, list[Piece]] = {}
+    unfit: list[tuple[int, str]] = []
+    fit: list[int] = []
     for t, entry in enumerate(manifest.tensors):
         for chunk in entry.chunks:
             item = len(items)
             items.append(_Item(t, chunk))
-            pieces = by_file.setdefault(chunk.file, [])
-            starts = range(0, chunk.nbytes, block) or range(1)  # an empty chunk is one empty block
-            pieces.extend(
-                Piece(chunk.offset + s, blank[: min(block, chunk.nbytes - s)], item, i)
-                for i, s in enumerate(starts)
-            )
+            size = sizes.get(chunk.file)
+            if size is None:
+                unfit.append((item, "data file is missing"))
+            elif chunk.offset + chunk.nbytes > size:
+                unfit.append((item, "data file is truncated"))
+            else:
+                fit.append(item)
+    # No piece is longer than a block, nor than its chunk: a checkpoint saved with a huge block (any
+    # multiple of 4096 is allowed) needs no placeholder of that size.
+    longest = max((items[i].chunk.nbytes for i in fit), default=0)
+    blank = memoryview(bytes(min(block, longest)))
+    by_file: dict[str, list[Piece]] = {}
+    for item in fit:
+        chunk = items[item].chunk
+        pieces = by_file.setdefault(chunk.file, [])
+        starts = range(0, chunk.nbytes, block) or range(1)  # an empty chunk is one empty block
+        pieces.extend(
+            Piece(chunk.offset + s, blank[: min(block, chunk.nbytes - s)], item, i)
+            for i, s in enumerate(starts)
+        )
     for pieces in by_file.values():
         pieces.sort(key=lambda p: p.offset)
-    return items, by_file
+    return items, by_file, unfit
 
 
 async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], None]) -> None:
@@ -210,12 +247,15 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
     except CorruptionError as exc:
         return VerifyReport(path=str(directory), problems=(exc,), num_tensors=0, num_chunks=0, nbytes=0)
 
-    def plan() -> tuple[list[_Item], dict[str, list[Piece]]]:
+    def plan() -> tuple[list[_Item], dict[str, list[Piece]], list[tuple[int, str]]]:
+        sizes = _sizes(directory, manifest)
         with paused():
-            return _plan(manifest)
+            return _plan(manifest, sizes)
 
-    items, by_file = await run_sync(plan)
+    items, by_file, unfit = await run_sync(plan)
     problems = _Problems(directory, manifest, items)
+    for item, what in unfit:
+        problems.add(item, what)
     checksums = [i.chunk.checksums for i in items]
     total = sum(i.chunk.nbytes for i in items)
     fds: dict[str, int] = {}

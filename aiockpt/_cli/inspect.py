@@ -163,6 +163,15 @@ def _value(path: KeyPath, node: Node) -> ValueDoc:
     return doc
 
 
+def _tensor_bytes(entry: TensorEntry) -> int:
+    """The bytes of the whole tensor; for a dtype this torch lacks, those its distinct chunks hold."""
+    try:
+        itemsize = dtype_from_name(entry.dtype).itemsize
+    except ValueError:  # a newer torch's dtype, say: still listed, as what is stored of it
+        return sum(c.nbytes for c in {(c.offsets, c.sizes): c for c in entry.chunks}.values())
+    return math.prod(entry.shape) * itemsize
+
+
 def _tensor(entry: TensorEntry, replicated: bool | None, aliases: list[KeyPath]) -> TensorDoc:
     """The JSON form of a tensor entry."""
     return TensorDoc(
@@ -170,7 +179,7 @@ def _tensor(entry: TensorEntry, replicated: bool | None, aliases: list[KeyPath])
         path=list(entry.path),
         dtype=entry.dtype,
         shape=list(entry.shape),
-        nbytes=math.prod(entry.shape) * dtype_from_name(entry.dtype).itemsize,
+        nbytes=_tensor_bytes(entry),
         replicated=replicated,
         files=sorted({c.file for c in entry.chunks}),
         chunks=[

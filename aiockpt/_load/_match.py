@@ -13,15 +13,17 @@ Entries that a Stateful's ``state_dict()`` lacks are created from the checkpoint
 from __future__ import annotations
 
 import math
+import os
 import pickle
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch.nn.parameter import is_lazy
 
-from .._errors import StateError
+from .._errors import CorruptionError, StateError
 from .._format import (
     BytesNode,
     DictNode,
@@ -107,10 +109,13 @@ def _entry_desc(e: TensorEntry) -> str:
 
 
 class _Matcher:
-    def __init__(self, manifest: Manifest, allow_pickle: bool, mapper: Mapper | None) -> None:
+    def __init__(
+        self, manifest: Manifest, allow_pickle: bool, mapper: Mapper | None, data: Path | None
+    ) -> None:
         self.m = manifest
         self.allow_pickle = allow_pickle
         self.mapper = mapper
+        self.files = _DataFiles(data) if data is not None else None
         self.plan = LoadPlan(result={})
         # Containers of the user's own state are updated in place (others may hold references to them);
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
@@ -338,6 +343,8 @@ class _Matcher:
             if mapped is not None:
                 dest = Destination(node.index, mapped, True, mapped=True)
             else:
+                if self.files is not None and math.prod(entry.shape) * dtype_.itemsize >= _Slabs.SMALL:
+                    self.files.check(entry, path)  # before memory of the size the manifest says is taken
                 fresh, view = self.slabs.empty(entry.shape, dtype_)
                 dest = Destination(node.index, fresh, True, view=view)
             self.plan.destinations[node.index] = dest
@@ -462,6 +469,60 @@ class _Slabs:
         return strides
 
 
+class _DataFiles:
+    """The data files of a checkpoint, for refusing a fresh tensor that they cannot fill before it is made.
+
+    A fresh tensor takes the memory its manifest entry's shape says; the read stage finds a missing or
+    short data file only once every destination is made. A damaged or forged manifest could so have a
+    load allocate any amount of memory before failing: a large fresh tensor is made only once its
+    chunks lie inside their files, and hold at least as many bytes as the tensor.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.sizes: dict[str, int | None] = {}  # per file, its size (``None``: it cannot be looked up)
+
+    def size(self, name: str) -> int | None:
+        if name not in self.sizes:
+            try:
+                self.sizes[name] = os.stat(self.directory / name).st_size
+            except OSError:  # (the read stage reports why, naming the file)
+                self.sizes[name] = None
+        return self.sizes[name]
+
+    def check(self, entry: TensorEntry, path: KeyPath) -> None:
+        """Refuse ``entry``, read fresh at ``path``, if its data files cannot hold it.
+
+        Raises:
+            CorruptionError: A data file of it is missing or too short, or its chunks hold fewer bytes
+                than it has (names the key and the file).
+        """
+        key = render(path)
+        boxes: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        stored = 0
+        for c in entry.chunks:
+            size = self.size(c.file)
+            if size is None or c.offset + c.nbytes > size:
+                file = str(self.directory / c.file)
+                what = "data file is missing" if size is None else "data file is truncated"
+                raise CorruptionError(
+                    f"{what} in {file} for key {key!r} (bytes {c.offset}..{c.offset + c.nbytes})",
+                    file=file,
+                    key=key,
+                )
+            if (c.offsets, c.sizes) not in boxes:  # (a box listed twice is read once)
+                boxes.add((c.offsets, c.sizes))
+                stored += c.nbytes
+        need = math.prod(entry.shape) * _dtype(entry.dtype).itemsize
+        if stored < need:
+            raise CorruptionError(
+                f"{self.directory} does not hold all of key {key!r} (global shape {list(entry.shape)}): its "
+                f"chunks hold {stored} of its {need} bytes",
+                file=str(self.directory),
+                key=key,
+            )
+
+
 def _tie(dest: Destination, tensor: torch.Tensor, offsets: tuple[int, ...] | None) -> None:
     """``tensor`` (at ``offsets`` of the global tensor; ``None``: all of it) as a further target of ``dest``.
 
@@ -523,15 +584,20 @@ def match(
     *,
     allow_pickle: bool,
     mapper: Mapper | None = None,
+    data: Path | None = None,
 ) -> LoadPlan:
     """Match ``manifest`` against ``state`` (``None``: build everything fresh, as :func:`aiockpt.read`).
 
     With ``mapper``, fresh tensors that can be are views of their data file's mapping (see ``_mapped``).
+    With ``data``, the directory of the data files, a large fresh tensor is made only where they hold
+    it (see ``_DataFiles``).
 
     Raises:
         StateError: A pickled object is met without ``allow_pickle``.
+        CorruptionError: With ``data``, a fresh tensor's data file is missing or too short, or its chunks
+            hold less than it.
     """
-    m = _Matcher(manifest, allow_pickle, mapper)
+    m = _Matcher(manifest, allow_pickle, mapper, data)
     tmpl = MISSING if state is None else cast("Mapping[object, object]", state)
     with paused():
         if state is None:

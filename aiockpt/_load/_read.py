@@ -185,10 +185,18 @@ def _check_covered(
     Raises:
         CorruptionError: Names the key, the checkpoint and a box of the destination that no chunk holds.
     """
-    hole = _uncovered(d_off, d_size, [(c.offsets, c.sizes) for c in entry.chunks])
+    key = render(entry.path)
+    try:
+        hole = _uncovered(d_off, d_size, [(c.offsets, c.sizes) for c in entry.chunks])
+    except ValueError as exc:
+        raise CorruptionError(
+            f"{where or 'the checkpoint'} cannot be read: the chunks of key {key!r} (global shape "
+            f"{list(entry.shape)}) overlap too intricately to check that they hold all of it ({exc})",
+            file=where,
+            key=key,
+        ) from None
     if hole is None:
         return
-    key = render(entry.path)
     whole = d_off == (0,) * len(d_size) and d_size == entry.shape
     dest = _render_box([(o, o + n) for o, n in zip(d_off, d_size, strict=True)])
     raise CorruptionError(
@@ -201,6 +209,10 @@ def _check_covered(
     )
 
 
+# The most tests of a cell against a box that ``_uncovered`` makes, a few seconds of Python.
+_MAX_COVER_CHECKS = 1 << 22
+
+
 def _uncovered(
     d_off: tuple[int, ...], d_size: tuple[int, ...], boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
 ) -> list[tuple[int, int]] | None:
@@ -208,7 +220,19 @@ def _uncovered(
 
     Exact, overlapping boxes included: the destination is cut at every box's edges, and each cell is
     covered wholly or not at all. Only run where counting elements found a shortfall or an overlap.
+
+    Raises:
+        ValueError: The cells and boxes are too many to check (more than ``_MAX_COVER_CHECKS`` tests of a
+            cell against a box): a manifest with many small overlapping boxes in several dimensions would
+            otherwise hold a load for hours. What a save or a merge of parts writes (one part's whole
+            tensor and others' shards of it) is decided before that.
     """
+    ends = [o + n for o, n in zip(d_off, d_size, strict=True)]
+    if any(
+        all(off <= o and e <= off + size for o, e, off, size in zip(d_off, ends, offsets, sizes, strict=True))
+        for offsets, sizes in boxes
+    ):
+        return None  # a box that holds the whole destination (a part's whole tensor): no cell to check
     cuts = []
     for dim, (o, n) in enumerate(zip(d_off, d_size, strict=True)):
         edges = {o, o + n}
@@ -216,6 +240,9 @@ def _uncovered(
             edges.update(e for e in (offsets[dim], offsets[dim] + sizes[dim]) if o < e < o + n)
         ordered = sorted(edges)
         cuts.append(list(itertools.pairwise(ordered)))
+    checks = math.prod(map(len, cuts)) * max(len(boxes), 1)
+    if checks > _MAX_COVER_CHECKS:
+        raise ValueError(f"{checks} tests of a cell against a box, of at most {_MAX_COVER_CHECKS}")
     for cell in itertools.product(*cuts):
         if not any(
             all(
@@ -442,7 +469,8 @@ def cached_pages(directory: Path, manifest: Manifest) -> dict[str, bytes | None]
         except OSError:
             continue
         try:
-            out[info.name] = resident(fd, info.nbytes)
+            # (The file's own size bounds the snapshot: a damaged manifest can say any byte count.)
+            out[info.name] = resident(fd, min(info.nbytes, os.fstat(fd).st_size))
         finally:
             os.close(fd)
     return out
