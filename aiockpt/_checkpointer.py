@@ -8,10 +8,10 @@ import re
 import time
 import uuid
 import warnings
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -42,6 +42,7 @@ from ._threads import run_sync
 from ._world import LocalWorld, World, part_of, resolve_world
 
 OnBusy = Literal["wait", "skip", "error"]
+T = TypeVar("T")
 
 LATEST = "latest"
 _LOAD_ATTEMPTS = 3
@@ -596,13 +597,39 @@ class Checkpointer:
     ) -> int | None:
         """Load checkpoint ``step`` (default: the latest committed one) into ``state`` in place.
 
+        If another process's retention deletes the latest step while it is being loaded, the load fails
+        before touching ``state`` (every data file is opened before the first byte lands) and is retried
+        with the new latest step.
+
         Returns:
             The step loaded, or ``None`` when there is no committed checkpoint (``state`` is untouched).
 
         Raises:
-            CheckpointNotFoundError: ``step`` is not committed.
+            CheckpointNotFoundError: ``step`` is not committed, or was deleted (by another process's
+                retention) while being loaded; ``state`` is untouched then.
             CorruptionError: Stored bytes fail verification (names the key and file).
             StateMismatchError: ``strict`` and the target differs; nothing was loaded.
+        """
+
+        async def run(path: Location) -> None:
+            await run_load(state, path, strict=strict, allow_pickle=self.allow_pickle, io=self.io)
+
+        done = await self._with_step(step, run)
+        return None if done is None else done[0]
+
+    async def _with_step(
+        self, step: int | None, run: Callable[[Location], Awaitable[T]]
+    ) -> tuple[int, T] | None:
+        """``run(path)`` on checkpoint ``step`` (``None``: the latest); the step and what ``run`` returned.
+
+        ``None`` when ``step`` is ``None`` and nothing is committed. While ``run`` goes on, this
+        Checkpointer's own retention leaves the step alone; another process's may delete it. ``run``
+        opens every data file before it hands out a byte, so a step that vanished under it made it fail
+        (the files or the manifest missing) without effect: with ``step`` ``None`` it is run again on the
+        new latest step, up to ``_LOAD_ATTEMPTS`` times.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed, or vanished under ``run`` (each time).
         """
         for attempt in range(_LOAD_ATTEMPTS):
             chosen = await self._resolve(step)
@@ -611,11 +638,10 @@ class Checkpointer:
             path = self.path_of(chosen)
             self._loading[chosen] = self._loading.get(chosen, 0) + 1
             try:
-                await run_load(state, path, strict=strict, allow_pickle=self.allow_pickle, io=self.io)
+                return chosen, await run(path)
             except (CheckpointNotFoundError, CorruptionError) as exc:
-                # Another process's retention may delete a step while we start reading it. Every data
-                # file is opened before the first byte lands in `state`, so a vanished step has left
-                # the target untouched: take the newest step again.
+                # Another process's retention may delete a step while we start reading it (a missing
+                # data file reads as corruption): only a step that is still there is really damaged.
                 if await _exists(path):
                     raise
                 if step is not None or attempt == _LOAD_ATTEMPTS - 1:
@@ -623,12 +649,10 @@ class Checkpointer:
                         f"step {chosen} was deleted from {self.root} while loading it (retention by "
                         "another process?); nothing was loaded"
                     ) from exc
-                continue
             finally:
                 self._loading[chosen] -= 1
                 if not self._loading[chosen]:
                     del self._loading[chosen]
-            return chosen
         raise AssertionError("unreachable")
 
     async def watch(self, *, poll_interval: float = 1.0, coalesce: bool = True) -> AsyncGenerator[int, None]:
@@ -637,32 +661,62 @@ class Checkpointer:
         The directory is polled (a listing every ``poll_interval`` seconds, in a worker thread) rather
         than watched with inotify: polling works the same on local disks, NFS and other shared file
         systems where change notifications are missing or unreliable, and needs no dependency. Steps
-        committed before the call are not yielded.
+        committed before the watch starts are not yielded; it starts with the first iteration (the
+        first ``anext``), as an async generator's code does, not when ``watch()`` is called. So an actor
+        should load the newest step itself once it has begun iterating, or after the first step yielded.
+
+        Each step is yielded once, when a listing first shows it: also a step committed after a newer
+        one (two saves in flight, several writers), which a comparison with the newest step yielded
+        would miss. A root that vanished (removed to start a run afresh) is waited for: its steps are
+        yielded once it is back.
 
         Args:
             poll_interval: Seconds between listings.
-            coalesce: When several steps were committed between two listings, yield only the newest
-                (what an actor that hot-loads weights wants); with ``False``, yield each in order.
+            coalesce: When several steps appeared between two listings, yield only the newest, and only
+                when it is the newest committed step (what an actor that hot-loads weights wants); with
+                ``False``, yield each, oldest first.
+
+        Raises:
+            StorageError: ``root`` cannot be listed (but for its being missing, which is waited out).
         """
-        await self.refresh()
-        last = self.latest_step()
+        # Every step of the last listing: a step is new when it is not among them. (Forgetting the steps
+        # that retention removed keeps this as small as the root; a step of that number saved again
+        # later, in a root made afresh say, is a new checkpoint and is yielded.)
+        known = set(await self.refresh())
         while True:
             await anyio.sleep(poll_interval)
-            fresh = [s for s in await self.refresh() if last is None or s > last]
-            for s in fresh[-1:] if coalesce else fresh:
-                last = s
+            try:
+                listed = await self.refresh()
+            except StorageError as exc:
+                if not isinstance(exc.__cause__, FileNotFoundError):
+                    raise
+                continue  # the root is gone for now: keep what was known, so nothing is yielded twice
+            fresh = [s for s in listed if s not in known]
+            known = set(listed)
+            if coalesce:
+                fresh = fresh[-1:] if fresh and fresh[-1] == listed[-1] else []
+            for s in fresh:
                 yield s
 
     async def read(self, step: int | None = None) -> dict[Key, object]:
         """Read checkpoint ``step`` (default: the latest) as a fresh tree of CPU tensors.
 
+        Like :meth:`load`, a read of the latest step that another process's retention deletes under it
+        is retried with the new latest step.
+
         Raises:
-            CheckpointNotFoundError: ``step`` is not committed, or there is no checkpoint at all.
+            CheckpointNotFoundError: ``step`` is not committed, or there is no checkpoint at all, or it
+                was deleted (by another process's retention) while being read.
+            CorruptionError: Stored bytes fail verification (names the key and file).
         """
-        chosen = await self._resolve(step)
-        if chosen is None:
+
+        async def run(path: Location) -> dict[Key, object]:
+            return await run_read(path, allow_pickle=self.allow_pickle, io=self.io)
+
+        done = await self._with_step(step, run)
+        if done is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}")
-        return await run_read(self.path_of(chosen), allow_pickle=self.allow_pickle, io=self.io)
+        return done[1]
 
     # --- Closing ----------------------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ class Preemption:
 
     Args:
         ckpt: The Checkpointer whose saves must not be lost.
-        final_save: Returns ``(state, step)`` to save one last time after a signal, or ``None``.
+        final_save: Called after a signal; returns ``(state, step)`` to save one last time, or ``None``
+            to save nothing more. ``None`` in its place saves nothing more either.
         signals: The signals to handle (default: SIGTERM).
         cancel: Cancel the block when the signal arrives instead of waiting for it to check
             :attr:`requested`.
@@ -45,7 +46,7 @@ class Preemption:
         self,
         ckpt: Checkpointer,
         *,
-        final_save: Callable[[], tuple[Mapping[str, object], int]] | None = None,
+        final_save: Callable[[], tuple[Mapping[str, object], int] | None] | None = None,
         signals: Sequence[signal.Signals] = (signal.SIGTERM,),
         cancel: bool = False,
         exit: bool = True,
@@ -58,6 +59,7 @@ class Preemption:
         self.requested = False
         self.signal: signal.Signals | None = None
         self._scope = anyio.CancelScope()
+        self._used = False  # entered before (the next entry starts afresh)
         self._requested_event = anyio.Event()
         # Per signal, what handled it before: an asyncio handler of the loop, else Python's handler.
         self._before: dict[signal.Signals, tuple[asyncio.Handle | None, _Handler]] = {}
@@ -77,13 +79,25 @@ class Preemption:
             self._scope.cancel()
 
     async def __aenter__(self) -> Preemption:
+        if self._used:
+            # Entered before: a cancel scope serves one block, and a signal the last block handled
+            # must not end this one at once.
+            self._scope = anyio.CancelScope()
+            self._requested_event = anyio.Event()
+            self.requested, self.signal = False, None
         loop = asyncio.get_running_loop()
         # asyncio keeps its handlers in a private table: the only place to find an application's own.
         handlers: dict[int, asyncio.Handle] = getattr(loop, "_signal_handlers", {})
-        for sig in self.signals:
-            self._before[sig] = (handlers.get(sig), signal.getsignal(sig))
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            for sig in self.signals:
+                before = (handlers.get(sig), signal.getsignal(sig))
+                loop.add_signal_handler(sig, self._on_signal, sig)
+                self._before[sig] = before
+        except BaseException:
+            self._restore()  # those taken already (a signal that cannot be handled: SIGKILL, say)
+            raise
         self._scope.__enter__()
+        self._used = True
         return self
 
     async def __aexit__(
@@ -100,8 +114,9 @@ class Preemption:
                 return swallowed  # no signal, or the block failed: its exception goes on
             with anyio.CancelScope(shield=True):
                 await self.ckpt.wait()
-                if self.final_save is not None:
-                    state, step = self.final_save()
+                last = self.final_save() if self.final_save is not None else None
+                if last is not None:
+                    state, step = last
                     await self.ckpt.refresh()
                     if step not in self.ckpt.steps():
                         await self.ckpt.save(state, step=step)

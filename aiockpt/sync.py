@@ -8,9 +8,12 @@ on while the training loop computes. The module-level functions run one operatio
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
@@ -67,13 +70,83 @@ def _start_portal() -> tuple[BlockingPortal, threading.Thread]:
         except BaseException as exc:  # pragma: no cover - start-up failure is reported to the caller
             ready.put(exc)
 
-    # A daemon thread: an unclosed Checkpointer must not keep the interpreter alive at exit.
+    # A daemon thread: an unclosed Checkpointer must not keep the interpreter alive at exit (its
+    # finalizer closes it then, see Checkpointer.__init__).
     thread = threading.Thread(target=run, name="aiockpt-sync", daemon=True)
     thread.start()
     got = ready.get()
     if isinstance(got, BaseException):
         raise got
     return got, thread
+
+
+class _PortalStopped(CheckpointError):
+    """The facade's event-loop thread no longer takes calls: the Checkpointer is closed (or closing)."""
+
+
+def _until_done(
+    portal: BlockingPortal, thread: threading.Thread, call: Callable[[], Awaitable[T]], closed: str
+) -> T:
+    """``call()`` run on ``portal``'s event-loop thread; its result returned or its exception raised.
+
+    If this thread is interrupted while it waits (``KeyboardInterrupt`` from Ctrl-C, or an exception
+    raised by a signal handler), ``call`` is cancelled and waited for before the interruption is raised,
+    as cancelling the task that awaits it would: a save (with ``async_op=False``, or still staging) or a
+    load must not go on reading or writing the caller's tensors once the caller has its control back (the
+    caller may go on training, and the save would commit torn weights). A save past its commit point
+    completes. A second interruption meanwhile is raised at once.
+
+    Raises:
+        _PortalStopped: The portal has stopped (the Checkpointer was closed, by another thread say); the
+            message is ``closed``.
+    """
+    ended = threading.Event()
+
+    async def run() -> T:
+        try:
+            return await call()
+        finally:
+            ended.set()
+
+    try:
+        future = portal.start_task_soon(run)
+    except RuntimeError:  # anyio: "This portal is not running" (closed since the caller checked)
+        raise _PortalStopped(closed) from None
+    try:
+        return future.result()
+    except BaseException:
+        if not future.done():  # interrupted: ``call`` still runs
+            future.cancel()  # cancels its scope on the loop (anyio)
+            # Bounded by the thread: a task that never started sets nothing, but ends with the loop.
+            while not ended.wait(0.05) and thread.is_alive():
+                pass
+        raise
+
+
+def _shut_down(portal: BlockingPortal, thread: threading.Thread, ckpt: AsyncCheckpointer, pid: int) -> None:
+    """Close ``ckpt`` (waiting for its saves in flight) and stop its event-loop thread. Blocking.
+
+    What a facade's finalizer runs when it was never closed: it was garbage-collected, or the interpreter
+    is exiting. Nothing in a forked child, which has no such thread (``pid`` is the parent's).
+    """
+    if os.getpid() != pid or not thread.is_alive():
+        return
+    if threading.current_thread() is thread:  # dropped by code on the loop, which must not block
+        args = (portal, thread, ckpt, pid)
+        threading.Thread(target=_shut_down, args=args, name="aiockpt-sync-close").start()
+        return
+    try:
+        portal.call(ckpt.aclose)  # a failure is printed by the finalizer (and the thread still stopped)
+    finally:
+        _stop(portal, thread)
+
+
+def _stop(portal: BlockingPortal, thread: threading.Thread) -> None:
+    """Stop ``portal`` and join its thread (nothing if another caller stopped it already). Blocking."""
+    with contextlib.suppress(RuntimeError):  # not running: stopped already
+        portal.call(portal.stop)
+    if thread is not threading.current_thread():
+        thread.join()
 
 
 def _as_this_thread(call: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[T]]:
@@ -124,7 +197,11 @@ class SyncSaveHandle:
         """Ask the save to stop (see :meth:`aiockpt.SaveHandle.cancel`); nothing once it has ended."""
         # An ended save needs no portal: it may be stopped already (its Checkpointer closed).
         if not self._handle.done():
-            self._portal.call(self._cancel)
+            try:
+                self._portal.call(self._cancel)
+            except RuntimeError:  # the portal stopped meanwhile: closing ended the save first
+                if not self._handle.done():
+                    raise
 
     async def _cancel(self) -> None:
         self._handle.cancel()
@@ -140,8 +217,17 @@ class SyncSaveHandle:
         """
         if self._handle.done():
             return self._handle._outcome()
-        future = self._portal.start_task_soon(self._handle.wait)
-        return future.result(timeout)
+        try:
+            future = self._portal.start_task_soon(self._handle.wait)
+        except RuntimeError:  # the portal stopped meanwhile: closing ended the save first
+            return self._handle._outcome()
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            # Only waiting stops (the save goes on). Before Python 3.11 this is not the built-in
+            # TimeoutError that the docstring promises.
+            future.cancel()
+            raise TimeoutError(f"the save of step {self._handle.step} is not durable yet") from None
 
 
 class Checkpointer:
@@ -179,11 +265,18 @@ class Checkpointer:
             use_collectives=use_collectives,
         )
         self._portal, self._thread = _start_portal()
+        self._closing = threading.Lock()  # one close at a time (several threads may close)
         try:
             self._portal.call(self._ckpt.open)
         except BaseException:
             self._stop()
             raise
+        # Never closed (dropped, or still open at exit): close it then, as leaving a ``with`` block
+        # would, so that its event-loop thread (and the loop's descriptors) does not outlive it. The
+        # callback holds no reference to ``self``.
+        self._finalizer = weakref.finalize(
+            self, _shut_down, self._portal, self._thread, self._ckpt, os.getpid()
+        )
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -258,16 +351,24 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every save in flight has ended (none has once closed)."""
         if self._thread.is_alive():
-            self._portal.call(self._ckpt.wait)
+            with contextlib.suppress(_PortalStopped):  # closed meanwhile: nothing is in flight
+                _until_done(self._portal, self._thread, self._ckpt.wait, "")
 
     def close(self, *, cancel: bool = False) -> None:
-        """Finish (or cancel) the saves in flight and stop the event-loop thread."""
-        if not self._thread.is_alive():
-            return
-        try:
-            self._portal.call(lambda: self._ckpt.aclose(cancel=cancel))
-        finally:
-            self._stop()
+        """Finish (or cancel) the saves in flight and stop the event-loop thread.
+
+        Safe to call again, and from several threads: the later calls return once it is closed.
+        """
+        with self._closing:
+            if not self._thread.is_alive():
+                return
+            self._finalizer.detach()
+            try:
+                _until_done(self._portal, self._thread, lambda: self._ckpt.aclose(cancel=cancel), "")
+            except _PortalStopped:
+                pass  # stopped already, the Checkpointer with it (its finalizer ran, at exit say)
+            finally:
+                self._stop()
 
     def _call(self, call: Callable[[], Awaitable[T]]) -> T:
         """``call()`` run on the event-loop thread, its result returned.
@@ -275,13 +376,13 @@ class Checkpointer:
         Raises:
             CheckpointError: The Checkpointer is closed (its event-loop thread has stopped).
         """
+        closed = f"the Checkpointer of {self._ckpt.root} is closed"
         if not self._thread.is_alive():
-            raise CheckpointError(f"the Checkpointer of {self._ckpt.root} is closed")
-        return self._portal.call(call)
+            raise CheckpointError(closed)
+        return _until_done(self._portal, self._thread, call, closed)
 
     def _stop(self) -> None:
-        self._portal.call(self._portal.stop)
-        self._thread.join()
+        _stop(self._portal, self._thread)
 
 
 def save(

@@ -113,31 +113,49 @@ async def actor(name: str, root: Path, table_mb: float) -> None:
                 serving(x)
             await asyncio.sleep(0.002)
 
-    async def follow(ckpt: aiockpt.Checkpointer) -> None:
+    async def hot_load(ckpt: aiockpt.Checkpointer) -> None:
         nonlocal serving, spare
-        async for _ in ckpt.watch(poll_interval=0.05):
-            target: dict[str, object] = {"policy": spare, "step": 0, "fingerprint": 0.0}
-            step = await ckpt.load(target)  # the newest committed step, even if more landed meanwhile
-            assert step is not None
-            assert target["step"] == step
-            if await anyio.to_thread.run_sync(fingerprint, spare) != target["fingerprint"]:
-                raise RuntimeError(f"{name}: weights of step {step} do not match the learner's fingerprint")
-            serving, spare = spare, serving
-            versions.append(step)
+        target: dict[str, object] = {"policy": spare, "step": 0, "fingerprint": 0.0}
+        step = await ckpt.load(target)  # the newest committed step, even if more landed meanwhile
+        assert step is not None
+        assert target["step"] == step
+        if await anyio.to_thread.run_sync(fingerprint, spare) != target["fingerprint"]:
+            raise RuntimeError(f"{name}: weights of step {step} do not match the learner's fingerprint")
+        serving, spare = spare, serving
+        versions.append(step)
 
-    async def until_learner_done() -> None:
+    async def follow(ckpt: aiockpt.Checkpointer) -> None:
+        async for _ in ckpt.watch(poll_interval=0.05):
+            await hot_load(ckpt)
+
+    async def learner_done() -> int:
+        """The learner's last step, once it has committed it (and every other)."""
         marker = anyio.Path(root / DONE)
         while True:
-            if await marker.exists() and versions and versions[-1] >= int(await marker.read_text()):
+            if await marker.exists():
+                return int(await marker.read_text())
+            await anyio.sleep(0.05)
+
+    async def seen(last: int) -> None:
+        while True:
+            if versions and versions[-1] >= last:
                 return
             await anyio.sleep(0.05)
 
     async with aiockpt.Checkpointer(root) as ckpt, anyio.create_task_group() as tg:
         for task in (measure_lag, serve):
             tg.start_soon(task)
-        tg.start_soon(follow, ckpt)
         with anyio.fail_after(60):
-            await until_learner_done()
+            async with anyio.create_task_group() as following:
+                following.start_soon(follow, ckpt)
+                last = await learner_done()
+                with anyio.move_on_after(2):  # the watch sees the last step at its next poll
+                    await seen(last)
+                following.cancel_scope.cancel()
+            if not versions or versions[-1] < last:
+                # The watch began after the learner's last save (this actor started late, or the learner
+                # was fast): it never yields a step committed before it began. Load the newest now.
+                await hot_load(ckpt)
         tg.cancel_scope.cancel()
     ms = sorted(v * 1e3 for v in lags)
     p99 = ms[int(len(ms) * 0.99)] if ms else float("nan")
