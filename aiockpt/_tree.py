@@ -70,7 +70,7 @@ def type_name(obj: object) -> str:
 
 
 # Dtypes whose elements are not whole bytes, and quantized dtypes, have no raw byte layout we can commit to.
-_UNSUPPORTED_DTYPES = frozenset(
+UNSUPPORTED_DTYPES = frozenset(
     getattr(torch, name)
     for name in (
         *(f"uint{i}" for i in range(1, 8)),
@@ -121,7 +121,7 @@ def check_tensor(tensor: torch.Tensor, path: KeyPath) -> None:
     """
     if (
         tensor.layout is torch.strided
-        and tensor.dtype not in _UNSUPPORTED_DTYPES
+        and tensor.dtype not in UNSUPPORTED_DTYPES
         and not tensor.is_meta
         and not tensor.is_nested
     ):
@@ -129,7 +129,7 @@ def check_tensor(tensor: torch.Tensor, path: KeyPath) -> None:
     problem = None
     if tensor.layout != torch.strided:
         problem = f"layout {tensor.layout} (convert with .to_dense())"
-    elif tensor.is_quantized or tensor.dtype in _UNSUPPORTED_DTYPES:
+    elif tensor.is_quantized or tensor.dtype in UNSUPPORTED_DTYPES:
         problem = f"dtype {tensor.dtype} has no byte layout aiockpt supports"
     elif tensor.is_nested:
         problem = "nested tensors are not supported"

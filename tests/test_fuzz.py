@@ -122,6 +122,14 @@ async def _saved(path: Path) -> Manifest:
     return _manifest(path)
 
 
+def _with_tensor(m: Manifest, entry: TensorEntry, **changes: object) -> Manifest:
+    """``m`` with ``entry`` added under the root key its path names (and other fields ``changes``)."""
+    tree = DictNode(
+        keys=(*m.tree.keys, entry.path[0]), values=(*m.tree.values, TensorNode(index=len(m.tensors)))
+    )
+    return msgspec.structs.replace(m, tensors=(*m.tensors, entry), tree=tree, **changes)
+
+
 def _entry(m: Manifest, name: str) -> int:
     return next(i for i, t in enumerate(m.tensors) if t.path == (name,))
 
@@ -257,10 +265,7 @@ async def test_a_huge_tensor_whose_data_file_is_short_is_refused_before_it_is_al
     block = 1 << 40
     chunk = Chunk(offsets=(0,), sizes=(n,), file="data-r00000.bin", offset=0, nbytes=n, checksums=(0,))
     entry = TensorEntry(path=("huge",), dtype="uint8", shape=(n,), chunks=(chunk,))
-    tree = DictNode(keys=(*m.tree.keys, "huge"), values=(*m.tree.values, TensorNode(index=len(m.tensors))))
-    _forge(
-        ckpt_path, msgspec.structs.replace(m, tensors=(*m.tensors, entry), tree=tree, checksum_block=block)
-    )
+    _forge(ckpt_path, _with_tensor(m, entry, checksum_block=block))
     with pytest.raises(aiockpt.CorruptionError, match="data file is truncated") as info:
         await aiockpt.read(ckpt_path)
     assert info.value.key == "huge"
@@ -278,8 +283,7 @@ async def test_a_fresh_tensor_its_chunks_cannot_fill_is_refused_before_it_is_all
     m = await _saved(ckpt_path)
     chunk = Chunk(offsets=(0, 0), sizes=(1, 4), file="data-r00000.bin", offset=0, nbytes=16, checksums=(0,))
     entry = TensorEntry(path=("big",), dtype="float32", shape=(1 << 22, 1 << 12), chunks=(chunk,))
-    tree = DictNode(keys=(*m.tree.keys, "big"), values=(*m.tree.values, TensorNode(index=len(m.tensors))))
-    _forge(ckpt_path, msgspec.structs.replace(m, tensors=(*m.tensors, entry), tree=tree))
+    _forge(ckpt_path, _with_tensor(m, entry))
     with pytest.raises(aiockpt.CorruptionError, match="does not hold all of key 'big'"):
         await aiockpt.read(ckpt_path)
 

@@ -32,7 +32,7 @@ from .._format import (
     TupleNode,
 )
 from .._gc import paused
-from .._tree import _UNSUPPORTED_DTYPES, dtype_from_name, render
+from .._tree import UNSUPPORTED_DTYPES, dtype_from_name, render
 
 
 def _read_one(path: Path) -> Manifest:
@@ -291,7 +291,7 @@ def _itemsize(name: str) -> int | None:
         except ValueError:
             size = None
         else:
-            size = 0 if dtype in _UNSUPPORTED_DTYPES else dtype.itemsize
+            size = 0 if dtype in UNSUPPORTED_DTYPES else dtype.itemsize
         _ITEMSIZES[name] = size
     return size
 
