@@ -386,3 +386,35 @@ async def test_inspect_lists_a_tensor_of_a_dtype_this_torch_lacks(ckpt_path: Pat
     assert listed["nbytes"] == first.chunks[0].nbytes
     with pytest.raises(aiockpt.CheckpointError, match="float99"):
         await aiockpt.read(ckpt_path)
+
+
+async def test_overlapping_chunk_boxes_that_count_as_the_whole_tensor_are_refused(ckpt_path: Path) -> None:
+    # Rows 0-1 and 1-2 of a 4-row tensor hold 12 elements, as many as the tensor: the load's count took
+    # them for all of it, read row 1 twice and row 3 never (left as it was in place, zeros when fresh).
+    x = torch.arange(12.0).reshape(4, 3)
+    await aiockpt.save({"x": x}, ckpt_path)
+    m = _manifest(ckpt_path)
+    whole = m.tensors[0].chunks[0]
+    data = (ckpt_path / whole.file).read_bytes()[whole.offset : whole.offset + whole.nbytes]
+
+    def rows(first: int) -> Chunk:
+        at = first * 12
+        crc = crc32c.crc32c(data[at : at + 24])
+        return Chunk(
+            offsets=(first, 0),
+            sizes=(2, 3),
+            file=whole.file,
+            offset=whole.offset + at,
+            nbytes=24,
+            checksums=(crc,),
+        )
+
+    entry = msgspec.structs.replace(m.tensors[0], chunks=(rows(0), rows(1)))
+    _forge(ckpt_path, msgspec.structs.replace(m, tensors=(entry,)))
+    target: dict[str, object] = {"x": torch.full((4, 3), -1.0)}
+    with pytest.raises(aiockpt.FormatError, match="overlap") as info:
+        await aiockpt.load(target, ckpt_path)
+    assert "'x'" in str(info.value)
+    assert torch.equal(target["x"], torch.full((4, 3), -1.0))  # type: ignore[arg-type]
+    with pytest.raises(aiockpt.FormatError, match="overlap"):
+        await aiockpt.read(ckpt_path)

@@ -172,7 +172,7 @@ async def _load(
     limiter: anyio.CapacityLimiter | None,
 ) -> None:
     manifest, cached = await _manifest(path, io, limiter)
-    data = None if isinstance(path, S3Path) else path
+    data = path
     plan = await run_sync(partial(match, manifest, state, allow_pickle=allow_pickle, data=data), limiter)
     settle(plan, path, strict=strict)
     await _fill(path, manifest, cached, plan, io, limiter)
@@ -196,7 +196,7 @@ async def _read_fresh(
 ) -> dict[Key, object]:
     manifest, cached = await _manifest(path, io, limiter)
     mapper = None if isinstance(path, S3Path) or io.direct_reads is True or not io.map_reads else Mapper(path)
-    data = None if isinstance(path, S3Path) else path
+    data = path
     read_plan = partial(match, manifest, None, allow_pickle=allow_pickle, mapper=mapper, data=data)
     plan = await run_sync(read_plan, limiter)
     readable(plan, path)

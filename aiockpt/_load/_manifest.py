@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import crc32c
@@ -30,6 +31,7 @@ from .._format import (
     TensorEntry,
     TensorNode,
     TupleNode,
+    part_dir_name,
 )
 from .._gc import paused
 from .._tree import UNSUPPORTED_DTYPES, dtype_from_name, render
@@ -111,7 +113,7 @@ def _decode(raw: bytes, file: str) -> tuple[Manifest, int]:
 # The latest time ``created_at`` may hold (year 10000): later ones have no calendar date to show.
 _MAX_TIME = 253402300800.0
 # The largest byte count or file offset: the operating system's offsets (and torch's sizes) are int64.
-_MAX_BYTES = (1 << 63) - 1
+MAX_BYTES = (1 << 63) - 1
 
 
 def check_manifest(manifest: Manifest, file: str) -> None:
@@ -142,7 +144,7 @@ def check_manifest(manifest: Manifest, file: str) -> None:
     if not 0 <= manifest.created_at < _MAX_TIME:  # (also refuses nan)
         raise bad(f"creation time {manifest.created_at}")
     for info in manifest.files:
-        if not _plain_name(info.name) or not 0 <= info.nbytes <= _MAX_BYTES:
+        if not _plain_name(info.name) or not 0 <= info.nbytes <= MAX_BYTES:
             raise bad(f"data file {info.name!r} of {info.nbytes} bytes")
     _check_tree(manifest.tree, len(manifest.tensors), bad)
     found = _Entries(manifest.checksum_block).first_problem(manifest.tensors)
@@ -220,7 +222,7 @@ class _Entries:
                     and c.nbytes == known[1]
                     and len(c.checksums) == known[2]
                     and c.file in names
-                    and 0 <= c.offset <= _MAX_BYTES - c.nbytes
+                    and 0 <= c.offset <= MAX_BYTES - c.nbytes
                 ):
                     continue
             problem = self.problem(entry)
@@ -246,10 +248,10 @@ class _Entries:
         else:
             if any(n < 0 for n in shape):
                 return f"shape {list(shape)}"
-            itemsize = _itemsize(entry.dtype)
+            itemsize = dtype_itemsize(entry.dtype)
             if itemsize == 0:
                 return f"dtype {entry.dtype} has no byte layout aiockpt reads"
-            if math.prod(shape) * (itemsize or 1) > _MAX_BYTES:
+            if math.prod(shape) * (itemsize or 1) > MAX_BYTES:
                 return f"shape {list(shape)} is too large"
             whole = None if itemsize is None else math.prod(shape) * itemsize
             self.wholes[kind] = itemsize, whole
@@ -267,7 +269,7 @@ class _Entries:
                     return f"chunk in data file {c.file!r}, outside the checkpoint"
                 self.names.add(c.file)
             wrong = c.nbytes < 0 if nbytes is None else c.nbytes != nbytes
-            if wrong or not 0 <= c.offset <= _MAX_BYTES - c.nbytes:
+            if wrong or not 0 <= c.offset <= MAX_BYTES - c.nbytes:
                 return (
                     f"chunk of {c.nbytes} bytes at offset {c.offset} of {c.file} for the box {list(c.sizes)}"
                 )
@@ -275,6 +277,14 @@ class _Entries:
                 return (
                     f"chunk of {c.nbytes} bytes has {len(c.checksums)} checksums of {self.block}-byte blocks"
                 )
+        if len(entry.chunks) > 1:
+            # A save writes each box of a tensor once, and no two overlap: a load counts the elements its
+            # chunks hold to decide that they cover its target, which overlapping boxes would fool (rows
+            # 0-1 and 1-2 of a 4-row tensor count as all of it, and row 3 is never read).
+            found = _overlapping(list({(c.offsets, c.sizes) for c in entry.chunks}))
+            if found is not None:
+                (a, b) = found
+                return f"chunk boxes {list(a[0])} + {list(a[1])} and {list(b[0])} + {list(b[1])} overlap"
         return None
 
 
@@ -283,7 +293,8 @@ class _Entries:
 _ITEMSIZES: dict[str, int | None] = {}
 
 
-def _itemsize(name: str) -> int | None:
+def dtype_itemsize(name: str) -> int | None:
+    """The size of an element of dtype ``name``: ``0`` for one no save writes, ``None`` for an unknown one."""
     size = _ITEMSIZES.get(name, -1)
     if size == -1:
         try:
@@ -318,19 +329,22 @@ _PartSets = dict[int, dict[int, tuple[Path, int]]]
 def _part_sets(path: Path) -> _PartSets:
     """Every published part under ``path``, grouped by the world size its name says. Blocking.
 
-    A part whose rank is not below its world size belongs to no set and is left out.
+    Only the name a save gives a part counts (``part_dir_name``): one name per rank and world size, so
+    no two directories can claim one rank (``rank-000001-of-00002`` next to ``rank-00001-of-00002``,
+    which a listing in name order used to pick first, or digits other than ASCII ones). A part whose
+    rank is not below its world size belongs to no set and is left out.
     """
     try:
         names = os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return {}
     sets: _PartSets = {}
-    for name in sorted(names):  # (sorted: of two names for one rank, such as more digits, the first counts)
+    for name in names:
         m = PART_RE.fullmatch(name)
         if m is None:
             continue
         rank, world = int(m.group(1)), int(m.group(2))
-        if rank >= world:
+        if rank >= world or name != part_dir_name(rank, world):
             continue
         try:
             st = os.stat(path / name / MANIFEST_NAME)
@@ -338,7 +352,7 @@ def _part_sets(path: Path) -> _PartSets:
             continue
         if not stat.S_ISREG(st.st_mode):
             continue
-        sets.setdefault(world, {}).setdefault(rank, (path / name, st.st_mtime_ns))
+        sets.setdefault(world, {})[rank] = (path / name, st.st_mtime_ns)
     return sets
 
 
@@ -413,14 +427,54 @@ def read_manifest(path: Path, *, every_copy: bool = False, reachable: bool = Fal
             ranks = sets[world]
             if len(ranks) != world:
                 raise CheckpointNotFoundError(_incomplete(path, sets, world))
-            parts = [(d.name, _read_one(d)) for d in _in_rank_order(ranks)]
-            return merge_parts(parts, every_copy=every_copy, reachable=reachable)
+            parts = [(d.name, _read_part(d)) for d in _in_rank_order(ranks)]
+            return merge_parts(parts, every_copy=every_copy, reachable=reachable, where=path)
     return _read_one(path)
+
+
+def _read_part(part: Path) -> Manifest:
+    """:func:`_read_one` of a part directory, refused when its manifest says it is another rank's part.
+
+    A save names a part's directory after the ``part_rank`` and ``world_size`` of its manifest; a part
+    moved, copied or forged under another rank's name would otherwise be merged as that rank's shards.
+    A manifest without ``part_rank`` (a single-process save put there by hand) is taken as it is.
+
+    Raises:
+        FormatError: The manifest's rank or world size contradicts the directory's name (names the file).
+    """
+    manifest = _read_one(part)
+    m = PART_RE.fullmatch(part.name)
+    assert m is not None  # (only directories named as parts are read as parts)
+    rank, world = int(m.group(1)), int(m.group(2))
+    if manifest.part_rank is not None and (manifest.part_rank, manifest.world_size) != (rank, world):
+        file = str(part / MANIFEST_NAME)
+        raise FormatError(
+            f"{file} is damaged or forged: it is the part of rank {manifest.part_rank} of "
+            f"{manifest.world_size}, but its directory {part.name} is that of rank {rank} of {world}",
+            file=file,
+        )
+    return manifest
+
+
+# The most missing ranks an error or ``aiockpt ls`` names (a directory name can say a world of 10^240).
+MAX_NAMED_RANKS = 16
+
+
+def missing_ranks(have: Collection[int], world: int) -> str:
+    """The ranks below ``world`` that ``have`` lacks, as ``[1, 2]``; the first MAX_NAMED_RANKS of them only.
+
+    Never a set of ``world`` ranks: a part's name says its world size, and a damaged or forged one can
+    say any (``rank-00000-of-99999999999``).
+    """
+    lacking = (r for r in range(world) if r not in have)
+    named = list(itertools.islice(lacking, MAX_NAMED_RANKS))
+    more = world - len(have) - len(named)  # (``have`` holds ranks below ``world`` only)
+    return f"[{', '.join(map(str, named))}{f', and {more} more' if more > 0 else ''}]"
 
 
 def _incomplete(path: Path, sets: _PartSets, world: int) -> str:
     """Why ``path``, whose parts are ``sets`` and none of them complete, is no checkpoint."""
-    missing = sorted(set(range(world)) - set(sets[world]))
+    missing = missing_ranks(sets[world], world)
     why = f"{path} is incomplete: the parts of ranks {missing} (of {world}) were never published"
     others = [f"{len(sets[w])} of {w}" for w in sorted(sets) if w != world]
     if others:
@@ -429,9 +483,15 @@ def _incomplete(path: Path, sets: _PartSets, world: int) -> str:
 
 
 def merge_parts(
-    parts: list[tuple[str, Manifest]], *, every_copy: bool = False, reachable: bool = False
+    parts: list[tuple[str, Manifest]],
+    *,
+    every_copy: bool = False,
+    reachable: bool = False,
+    where: Path | None = None,
 ) -> Manifest:
     """One manifest for the parts of a collective-free checkpoint (``(part dir, manifest)`` by rank).
+
+    ``where``, the checkpoint's directory, is named in errors with the part's.
 
     The tree is rank 0's; tensors are merged by key path, a chunk held by several ranks (a replicated
     tensor, written by each) is read from the first. With ``every_copy``, every part's copy of such a
@@ -444,42 +504,156 @@ def merge_parts(
     its own, by its directory. Without it (verification, which checks every part's bytes, reachable or
     not, and ``aiockpt inspect``, which lists what is stored) they are merged as they are.
 
+    The parts must be of one save: one step and one checksum block (the merged manifest has one of
+    each, by which every chunk is checked), each tensor entry found in its part's tree at its key path
+    (the merge goes by key path, rank 0's tree by index). Of the merged boxes of a tensor, two that
+    differ must not overlap, except that a box holding the whole tensor makes every other redundant: a
+    load counts the elements its chunks hold to decide that they cover its target, which overlapping
+    boxes would fool (some elements read twice, others never). Copies of one box are not compared: the
+    first is read, as documented (a per-rank value saved under one key is rank 0's in the merge).
+
     Raises:
-        FormatError: Two parts disagree on a tensor's dtype or global shape, or (with ``reachable``) a
-            part's tree holds a key that rank 0's lacks, or a tensor where rank 0's holds none (names the
-            first such key and the part).
+        FormatError: Two parts disagree on the step, the checksum block, or a tensor's dtype or global
+            shape; a part's entry is not at its key path in its tree; boxes of a tensor overlap; or (with
+            ``reachable``) a part's tree holds a key that rank 0's lacks, or a tensor where rank 0's holds
+            none (names the key and the parts).
     """
+
+    def at(name: str) -> str:  # (a part as errors name it)
+        return name if where is None else str(where / name)
+
+    base = parts[0][1]
+    for name, m in parts:
+        if (m.step, m.checksum_block) != (base.step, base.checksum_block):
+            raise FormatError(
+                f"cannot merge the parts of a collective-free checkpoint: part {at(name)} is of step "
+                f"{m.step} with {m.checksum_block}-byte checksum blocks, part {at(parts[0][0])} of step "
+                f"{base.step} with {base.checksum_block}-byte blocks (parts of different saves)",
+                file=f"{at(name)}/{MANIFEST_NAME}",
+            )
+        _check_paths(at(name), m)
     if reachable:
         _check_trees(parts)
-    entries: dict[KeyPath, tuple[TensorEntry, list[Chunk]]] = {}
-    order: list[KeyPath] = []
+    entries: dict[KeyPath, _Merged] = {}
     files = []
     for name, m in parts:
         files += [msgspec.structs.replace(f, name=f"{name}/{f.name}") for f in m.files]
         for t in m.tensors:
             chunks = [msgspec.structs.replace(c, file=f"{name}/{c.file}") for c in t.chunks]
-            have = entries.get(t.path)
-            if have is None:
-                entries[t.path] = (t, chunks)
-                order.append(t.path)
-                continue
-            first, merged = have
-            if (first.dtype, first.shape) != (t.dtype, t.shape):
+            merged = entries.get(t.path)
+            if merged is None:
+                entries[t.path] = merged = _Merged(t, at(name))
+            elif (merged.entry.dtype, merged.entry.shape) != (t.dtype, t.shape):
+                first = merged.entry
                 raise FormatError(
-                    f"parts disagree on tensor {'/'.join(map(str, t.path))!r}: "
-                    f"{first.dtype}{list(first.shape)} vs {t.dtype}{list(t.shape)} (in {name})"
+                    f"parts disagree on tensor {render(t.path)!r}: {first.dtype}{list(first.shape)} "
+                    f"(in {merged.part}) vs {t.dtype}{list(t.shape)} (in {at(name)})",
+                    file=f"{at(name)}/{MANIFEST_NAME}",
                 )
-            if every_copy:
-                merged += chunks
-                continue
-            boxes = {(c.offsets, c.sizes) for c in merged}
-            merged += [c for c in chunks if (c.offsets, c.sizes) not in boxes]
-    base = parts[0][1]
-    # Rank 0's tree refers to its tensors by index: they come first, in its order.
-    tensors = tuple(msgspec.structs.replace(entries[p][0], chunks=tuple(entries[p][1])) for p in order)
+            merged.add(at(name), chunks, every_copy=every_copy)
+    # Rank 0's tree refers to its tensors by index: they come first, in its order (its paths are its
+    # own tree's, one per entry: see _check_paths).
+    tensors = tuple(
+        msgspec.structs.replace(merged.entry, chunks=merged.result(every_copy)) for merged in entries.values()
+    )
     return msgspec.structs.replace(
         base, tensors=tensors, files=tuple(files), world_size=len(parts), part_rank=None
     )
+
+
+_Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class _Merged:
+    """The chunks of one tensor that the parts hold, merged (see :func:`merge_parts`)."""
+
+    def __init__(self, entry: TensorEntry, part: str) -> None:
+        self.entry = entry
+        self.part = part  # the part ``entry`` is from
+        self.copies: list[Chunk] = []  # every part's every chunk (``every_copy``)
+        self.boxes: dict[_Box, tuple[Chunk, str]] = {}  # per box, its first chunk and that chunk's part
+
+    def add(self, part: str, chunks: list[Chunk], *, every_copy: bool) -> None:
+        """Merge ``chunks``, the entry's in ``part``: a box met before is read from its first part."""
+        if every_copy:
+            self.copies += chunks
+        for c in chunks:
+            self.boxes.setdefault((c.offsets, c.sizes), (c, part))
+
+    def result(self, every_copy: bool) -> tuple[Chunk, ...]:
+        """The merged chunks: one per box, or with ``every_copy`` every part's.
+
+        Raises:
+            FormatError: Two different boxes overlap, neither holding the whole tensor.
+        """
+        whole = ((0,) * len(self.entry.shape), self.entry.shape)
+        if whole in self.boxes:
+            first = self.boxes[whole][0]  # the others hold nothing it lacks
+            return tuple(self.copies) if every_copy else (first,)
+        found = _overlapping(list(self.boxes))
+        if found is not None:
+            (a, b), key = found, render(self.entry.path)
+            raise FormatError(
+                f"the chunks of key {key!r} overlap without being copies of one box: "
+                f"{list(a[0])} + {list(a[1])} in {self.boxes[a][1]}, {list(b[0])} + {list(b[1])} in "
+                f"{self.boxes[b][1]} (no save writes such; a load could not tell which elements it read)",
+                file=f"{self.boxes[b][1]}/{MANIFEST_NAME}",
+            )
+        return tuple(self.copies) if every_copy else tuple(c for c, _ in self.boxes.values())
+
+
+def _overlapping(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
+    """Two of ``boxes`` (all different) that share an element, or ``None``.
+
+    A sweep along the first dimension: a box is compared only with those whose rows it meets (shards of
+    a tensor split by rows, the usual layout, meet none).
+    """
+    boxes = [b for b in boxes if all(b[1])]  # (an empty box holds no element to share)
+    if len(boxes) < 2 or not boxes[0][1]:
+        return None  # (a 0-dimensional tensor has a single box)
+    boxes.sort(key=lambda b: b[0][0])
+    active: list[_Box] = []
+    for box in boxes:
+        start = box[0][0]
+        active = [a for a in active if a[0][0] + a[1][0] > start]
+        for other in active:
+            if all(
+                o1 < o2 + n2 and o2 < o1 + n1
+                for o1, n1, o2, n2 in zip(box[0], box[1], other[0], other[1], strict=True)
+            ):
+                return other, box
+        active.append(box)
+    return None
+
+
+def _check_paths(name: str, m: Manifest) -> None:
+    """Refuse a part whose tensor entries are not each at its own key path in the part's tree.
+
+    The merge finds a part's entries by key path and rank 0's tree refers to its entries by index: an
+    entry listed under another key (or twice) would be merged into another tensor, or shift the indices
+    of rank 0's entries.
+
+    Raises:
+        FormatError: Names the part and the key.
+    """
+    found: dict[KeyPath, int] = {}  # per key path of the tree holding a tensor, its index
+    stack: list[tuple[Node, KeyPath]] = [(m.tree, ())]  # (its depth is checked: check_manifest)
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, DictNode):
+            stack += [(v, (*path, k)) for k, v in zip(node.keys, node.values, strict=True)]
+        elif isinstance(node, (ListNode, TupleNode)):
+            stack += [(v, (*path, i)) for i, v in enumerate(node.items)]
+        elif isinstance(node, TensorNode):
+            found.setdefault(path, node.index)
+    for i, t in enumerate(m.tensors):
+        if found.get(t.path) != i:
+            key = render(t.path)
+            raise FormatError(
+                f"{name}/{MANIFEST_NAME} is damaged or forged: its tensor entry {i} says key {key!r}, "
+                "where its tree holds " + ("no tensor" if t.path not in found else f"entry {found[t.path]}"),
+                file=f"{name}/{MANIFEST_NAME}",
+            )
 
 
 def _check_trees(parts: list[tuple[str, Manifest]]) -> None:

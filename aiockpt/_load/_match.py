@@ -17,7 +17,6 @@ import os
 import pickle
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -40,6 +39,7 @@ from .._format import (
 )
 from .._gc import paused
 from .._memory import byte_view, contiguous_strides
+from .._storage import Location, S3Path
 from .._tree import dtensor_type, dtype_from_name, dtype_name, is_stateful, render, shard_of
 from ._mapped import Mapper
 
@@ -110,7 +110,7 @@ def _entry_desc(e: TensorEntry) -> str:
 
 class _Matcher:
     def __init__(
-        self, manifest: Manifest, allow_pickle: bool, mapper: Mapper | None, data: Path | None
+        self, manifest: Manifest, allow_pickle: bool, mapper: Mapper | None, data: Location | None
     ) -> None:
         self.m = manifest
         self.allow_pickle = allow_pickle
@@ -475,19 +475,30 @@ class _DataFiles:
     A fresh tensor takes the memory its manifest entry's shape says; the read stage finds a missing or
     short data file only once every destination is made. A damaged or forged manifest could so have a
     load allocate any amount of memory before failing: a large fresh tensor is made only once its
-    chunks lie inside their files, and hold at least as many bytes as the tensor.
+    chunks lie inside their files, and hold at least as many bytes as the tensor. On object storage the
+    files are the data objects, sized by a request each (from the matcher's worker thread).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Location) -> None:
         self.directory = directory
         self.sizes: dict[str, int | None] = {}  # per file, its size (``None``: it cannot be looked up)
 
     def size(self, name: str) -> int | None:
+        """The size of data file ``name``; ``None`` where it is missing (or, locally, cannot be looked up).
+
+        Raises:
+            StorageError: The request for an object's size failed (after retries).
+        """
         if name not in self.sizes:
-            try:
-                self.sizes[name] = os.stat(self.directory / name).st_size
-            except OSError:  # (the read stage reports why, naming the file)
-                self.sizes[name] = None
+            if isinstance(self.directory, S3Path):
+                from .._storage._s3 import object_size
+
+                self.sizes[name] = object_size(self.directory, name)
+            else:
+                try:
+                    self.sizes[name] = os.stat(self.directory / name).st_size
+                except OSError:  # (the read stage reports why, naming the file)
+                    self.sizes[name] = None
         return self.sizes[name]
 
     def check(self, entry: TensorEntry, path: KeyPath) -> None:
@@ -584,18 +595,19 @@ def match(
     *,
     allow_pickle: bool,
     mapper: Mapper | None = None,
-    data: Path | None = None,
+    data: Location | None = None,
 ) -> LoadPlan:
     """Match ``manifest`` against ``state`` (``None``: build everything fresh, as :func:`aiockpt.read`).
 
     With ``mapper``, fresh tensors that can be are views of their data file's mapping (see ``_mapped``).
-    With ``data``, the directory of the data files, a large fresh tensor is made only where they hold
-    it (see ``_DataFiles``).
+    With ``data``, the directory (or object prefix) of the data files, a large fresh tensor is made only
+    where they hold it (see ``_DataFiles``).
 
     Raises:
         StateError: A pickled object is met without ``allow_pickle``.
         CorruptionError: With ``data``, a fresh tensor's data file is missing or too short, or its chunks
             hold less than it.
+        StorageError: With ``data`` on object storage, a request for a data object's size failed.
     """
     m = _Matcher(manifest, allow_pickle, mapper, data)
     tmpl = MISSING if state is None else cast("Mapping[object, object]", state)

@@ -105,6 +105,20 @@ async def get(path: S3Path, name: str) -> bytes | None:
         raise _failed("read", url(path, name), exc) from exc
 
 
+def object_size(path: S3Path, name: str) -> int | None:
+    """The size of object ``name`` under ``path``, or ``None`` if there is none. Blocking (a worker thread's).
+
+    Raises:
+        StorageError: The request failed (after retries).
+    """
+    try:
+        return int(obstore.head(store(path), (path / name).key)["size"])
+    except FileNotFoundError:
+        return None
+    except ERRORS as exc:
+        raise _failed("read", url(path, name), exc) from exc
+
+
 async def put(path: S3Path, name: str, data: bytes, *, create: bool) -> None:
     """Put object ``name`` under ``path``; with ``create``, only if it does not exist.
 
