@@ -79,7 +79,9 @@ async def load_foreign(
         source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
         try:
             manifest, extra = await run_sync(lambda: source.shaped(state), limiter)
-            plan = await run_sync(lambda: match(manifest, state, allow_pickle=allow_pickle), limiter)
+            plan = await run_sync(
+                lambda: match(manifest, state, allow_pickle=allow_pickle, data=source.data), limiter
+            )
             plan.differences[:0] = extra
             settle(plan, path, strict=strict, stacklevel=3)
             await source.fill(manifest, plan.destinations, threads=io.thread_count, limiter=limiter)
@@ -102,7 +104,9 @@ async def read_foreign(
     with responsive(io):
         source = await acquire_sync(lambda: open_source(path, kind, allow_pickle=allow_pickle), limiter)
         try:
-            plan = await run_sync(lambda: match(source.manifest, None, allow_pickle=allow_pickle), limiter)
+            plan = await run_sync(
+                lambda: match(source.manifest, None, allow_pickle=allow_pickle, data=source.data), limiter
+            )
             readable(plan, path)
             await source.fill(source.manifest, plan.destinations, threads=io.thread_count, limiter=limiter)
             return plan.result

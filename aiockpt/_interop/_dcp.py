@@ -31,7 +31,8 @@ import anyio
 import torch
 
 from .._errors import CorruptionError, FormatError, StateError, StorageError
-from .._format import Chunk, KeyPath, Manifest, Node, PickleNode, TensorEntry, TensorNode
+from .._format import MAX_READ_DEPTH, Chunk, KeyPath, Manifest, Node, PickleNode, TensorEntry, TensorNode
+from .._load._manifest import MAX_BYTES, dtype_itemsize
 from .._load._match import Destination
 from .._load._read import read_into
 from .._tree import dtype_name
@@ -130,6 +131,7 @@ class DcpSource(DecodingSource):
 
     def __init__(self, directory: Path, *, allow_pickle: bool) -> None:
         self.location = directory
+        self.data = directory
         self.allow_pickle = allow_pickle
         # Where each chunk's torch.save blob is: (file, offset, length), by (tensor index, chunk number).
         self.blobs: dict[tuple[int, int], tuple[str, int, int]] = {}
@@ -169,13 +171,14 @@ class DcpSource(DecodingSource):
                 raise TypeError(f"key {fqn!r} is not a str")
             if isinstance(item, TensorStorageMetadata):
                 index = len(tensors)
-                itemsize = item.properties.dtype.itemsize
+                dtype = self._tensor_dtype(fqn, item)
+                itemsize = dtype.itemsize
                 chunks = []
                 for number, c in enumerate(item.chunks):
                     info = self._info(md.storage_data, MetadataIndex(fqn, c.offsets), fqn)
                     sizes = tuple(c.sizes)
                     self.blobs[index, number] = (info.relative_path, info.offset, info.length)
-                    raw = self._raw(info.relative_path, info.offset, info.length, sizes, itemsize)
+                    raw = self._raw(info.relative_path, info.offset, info.length, sizes, dtype)
                     if raw is None:
                         self.decoded.add(index)
                     chunks.append(
@@ -192,7 +195,7 @@ class DcpSource(DecodingSource):
                 tensors.append(
                     TensorEntry(
                         path=(fqn,),
-                        dtype=dtype_name(item.properties.dtype),
+                        dtype=dtype_name(dtype),
                         shape=tuple(item.size),
                         chunks=tuple(chunks),
                     )
@@ -201,6 +204,43 @@ class DcpSource(DecodingSource):
                 info = self._info(md.storage_data, MetadataIndex(fqn), fqn)
                 names[fqn] = self._value(fqn, info)
         return names, tensors
+
+    def _tensor_dtype(self, fqn: str, item: Any) -> torch.dtype:
+        """The dtype of the tensor ``fqn``, once its metadata is found sound.
+
+        Everything the readers allocate or index by is checked here, as ``check_manifest`` checks aiockpt's
+        own manifests: a dtype with a byte layout, a shape of non-negative ints of at most 2^63 - 1 bytes,
+        and chunk boxes of its rank that lie inside it. (A box outside the shape would be read into
+        nothing, leaving the elements it stands for unread.)
+
+        Raises:
+            FormatError: Names the key and ``.metadata``.
+        """
+        file = self.location / METADATA_NAME
+        dtype: torch.dtype = item.properties.dtype
+        shape = tuple(item.size)
+        problem = None
+        if not isinstance(dtype, torch.dtype) or not dtype_itemsize(dtype_name(dtype)):
+            problem = f"dtype {dtype}, which aiockpt does not read"
+        elif not all(type(n) is int and n >= 0 for n in shape):
+            problem = f"shape {list(shape)}"
+        elif math.prod(shape) * dtype.itemsize > MAX_BYTES:
+            problem = f"shape {list(shape)}, too large"
+        else:
+            for c in item.chunks:
+                offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+                if not (
+                    len(offsets) == len(sizes) == len(shape)
+                    and all(type(n) is int for n in (*offsets, *sizes))
+                    and all(
+                        min(o, n) >= 0 and o + n <= d for o, n, d in zip(offsets, sizes, shape, strict=True)
+                    )
+                ):
+                    problem = f"a chunk box {list(offsets)} + {list(sizes)} outside the shape {list(shape)}"
+                    break
+        if problem is not None:
+            raise FormatError(f"{file} is damaged or forged: tensor {fqn!r} has {problem}", file=str(file))
+        return dtype
 
     def _info(self, storage_data: Mapping[Any, Any], index: Any, fqn: str) -> Any:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -213,7 +253,7 @@ class DcpSource(DecodingSource):
             isinstance(info.relative_path, str)
             and type(info.offset) is int
             and type(info.length) is int
-            and info.offset >= 0
+            and 0 <= info.offset <= MAX_BYTES - info.length
             and info.length >= 0
         ):
             raise FormatError(f"{file} gives {fqn!r} an invalid location {info!r}", file=str(file))
@@ -227,7 +267,9 @@ class DcpSource(DecodingSource):
             raise FormatError(f"{file} points {fqn!r} outside the checkpoint: {info.relative_path!r}")
         return info
 
-    def _raw(self, file: str, offset: int, length: int, sizes: tuple[int, ...], itemsize: int) -> int | None:
+    def _raw(
+        self, file: str, offset: int, length: int, sizes: tuple[int, ...], dtype: torch.dtype
+    ) -> int | None:
         """Where the chunk's raw bytes start, if its blob holds them plainly (see ``_torchblob``)."""
         if file not in self._fds:
             try:
@@ -235,7 +277,7 @@ class DcpSource(DecodingSource):
             except OSError:  # reported, naming the key, when the chunk is decoded
                 self._fds[file] = None
         fd = self._fds[file]
-        return None if fd is None else raw_location(fd, offset, length, sizes, itemsize)
+        return None if fd is None else raw_location(fd, offset, length, sizes, dtype)
 
     def close(self) -> None:
         """Close the data files opened while locating raw chunks."""
@@ -264,8 +306,12 @@ class DcpSource(DecodingSource):
         path = self.location / file
         try:
             with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read(length)
+                # (The file's size bounds the read: the metadata can say any length.)
+                size = os.fstat(f.fileno()).st_size
+                data = b""
+                if offset + length <= size:
+                    f.seek(offset)
+                    data = f.read(length)
         except FileNotFoundError:
             raise CorruptionError(f"{path} is missing (it holds {key!r})", file=str(path), key=key) from None
         except OSError as exc:
@@ -319,7 +365,11 @@ class DcpSource(DecodingSource):
 
 
 def _paths(planner_data: object) -> dict[str, KeyPath] | None:
-    """DCP's ``planner_data`` of a default planner: FQN -> original key path (str keys, int list indices)."""
+    """DCP's ``planner_data`` of a default planner: FQN -> original key path (str keys, int list indices).
+
+    A path deeper than aiockpt's trees nest (``MAX_READ_DEPTH``) is left out, so that its name stays flat:
+    the trees built from paths are walked recursively.
+    """
     if not isinstance(planner_data, dict):
         return None
     return {
@@ -327,6 +377,6 @@ def _paths(planner_data: object) -> dict[str, KeyPath] | None:
         for fqn, path in planner_data.items()
         if isinstance(fqn, str)
         and isinstance(path, tuple)
-        and path
+        and 0 < len(path) <= MAX_READ_DEPTH
         and all(type(k) in (str, int) for k in path)
     }

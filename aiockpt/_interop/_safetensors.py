@@ -87,7 +87,7 @@ def _header(file: Path) -> tuple[int, dict[str, object], int]:
         raise StorageError(f"cannot read {file}: {exc.strerror or exc}", path=str(file)) from exc
     try:
         header = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (RecursionError: arrays nested thousands deep)
         raise CorruptionError(f"{file} has a damaged safetensors header: {exc}", file=str(file)) from exc
     if not isinstance(header, dict):
         raise CorruptionError(f"{file} has a damaged safetensors header", file=str(file))
@@ -141,6 +141,7 @@ class SafetensorsSource(Source):
         else:
             self.directory = path.parent
             files = {path.name: None}
+        self.data = self.directory
         names: dict[str, Node] = {}
         tensors: list[TensorEntry] = []
         infos = []
@@ -190,7 +191,7 @@ class SafetensorsSource(Source):
             return {SINGLE_NAME: None}
         try:
             doc = json.loads(index.read_bytes())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise FormatError(f"cannot read {index}: {exc}", file=str(index)) from exc
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, Mapping) or not all(
@@ -199,7 +200,7 @@ class SafetensorsSource(Source):
             raise FormatError(f"{index} has no valid weight_map", file=str(index))
         shards: dict[str, set[str] | None] = {}
         for name, shard in weight_map.items():
-            if os.path.isabs(shard) or ".." in Path(shard).parts:
+            if os.path.isabs(shard) or ".." in Path(shard).parts or "\0" in shard:
                 raise FormatError(
                     f"{index} points {name!r} outside the directory: {shard!r}", file=str(index)
                 )

@@ -9,6 +9,7 @@ decode each chunk a destination needs and copy the intersection into place.
 
 from __future__ import annotations
 
+import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ import torch
 from .._errors import CorruptionError
 from .._format import DictNode, KeyPath, Manifest, Node
 from .._load._match import Destination
-from .._load._read import _overlap, aliased
+from .._load._read import _check_covered, _overlap, aliased
 from .._threads import Aborted, run_sync, run_workers
 from .._tree import dtype_name, render
 from ._names import shaped_like
@@ -37,12 +38,17 @@ class Source(ABC):
         names: Its values by flat name when the format addresses them so (DCP, safetensors); loads then
             match the target by joined key path. ``None``: the tree is matched as is (``torch.save``).
         paths: DCP's original key path of each name, when recorded.
+        data: The directory whose files the manifest's chunks are byte ranges of (``file``, ``offset``,
+            ``nbytes``), so that the matcher makes a large fresh tensor only once its chunks lie inside
+            their files and hold as many bytes as it (metadata can claim any shape). ``None``: the
+            chunks are no byte ranges (a ``torch.save`` file, decoded whole when opened).
     """
 
     location: Path
     manifest: Manifest
     names: Mapping[str, Node] | None = None
     paths: Mapping[str, KeyPath] | None = None
+    data: Path | None = None
 
     def shaped(self, state: Mapping[str, object]) -> tuple[Manifest, list[str]]:
         """The manifest to match ``state`` against, and differences found while shaping it. Blocking."""
@@ -145,15 +151,28 @@ class DecodingSource(Source):
         target = dest.tensor
         d_size = tuple(target.shape)
         d_off = dest.offsets if dest.offsets is not None else (0,) * len(d_size)
+        # The chunks that overlap the destination, each box once. Their elements in it, counted, must be
+        # all of it before anything is decoded: metadata whose chunks leave a hole would otherwise leave
+        # those elements as they were (uninitialized memory, for aiockpt.read). As for native reads, a
+        # count that differs (a hole, or overlapping boxes) is checked exactly.
+        wanted: list[tuple[int, list[tuple[int, int]]]] = []
+        boxes: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        covered = 0
         for number, c in enumerate(entry.chunks):
             inter = _overlap(c.offsets, c.sizes, d_off, d_size)
-            if inter is None and d_size:
+            if inter is None or (c.offsets, c.sizes) in boxes:
                 continue
+            boxes.add((c.offsets, c.sizes))
+            covered += math.prod(hi - lo for lo, hi in inter)  # (1 for a 0-d tensor: all of it)
+            wanted.append((number, inter))
+        if covered != math.prod(d_size):
+            _check_covered(entry, d_off, d_size, str(self.location))
+        for number, inter in wanted:
+            c = entry.chunks[number]
             data = self._check(dest.index, number, self.chunk(dest.index, number))
             if not d_size:  # a 0-d tensor: its one chunk is all of it
                 target.copy_(data)
                 continue
-            assert inter is not None
             src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))
             dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
             target[dst].copy_(data[src])

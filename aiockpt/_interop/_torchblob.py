@@ -8,6 +8,9 @@ chunk's raw bytes, and the native reader can read it straight into destination m
 
 ``data.pkl`` is read by an unpickler that knows only the names of that one recipe and calls nothing; any
 other content means "not a plain tensor", and the caller decodes the blob with ``torch.load`` instead.
+The storage's class (``torch.FloatStorage``...) names its element type: a record is only taken as raw
+bytes of the dtype the caller expects (a forged DCP ``.metadata`` could otherwise have a bool chunk's
+bytes read as int8, where ``torch.load`` would report the mismatch).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import struct
 import zipfile
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header: 30 bytes, then name and extra field
 
@@ -53,9 +58,43 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+# The typed storage classes ``_rebuild_tensor_v2`` recipes name, by the dtype of their elements. (Other
+# dtypes are saved through ``_rebuild_tensor_v3`` and an untyped storage: never taken as plain here.)
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexDoubleStorage": torch.complex128,
+    "ComplexFloatStorage": torch.complex64,
+}
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    """Stands for a ``torch.<X>Storage`` class: only its element dtype reaches the persistent id."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A storage the pickle refers to: its record's key and its element dtype."""
+
+    key: str
+    dtype: torch.dtype
+
+
 @dataclass(frozen=True)
 class _Rebuild:
     key: str
+    dtype: torch.dtype
     storage_offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
@@ -63,10 +102,6 @@ class _Rebuild:
 
 class _NotPlain(Exception):
     pass
-
-
-class _StorageType:
-    """Stands for ``torch.<X>Storage`` classes: only their name reaches the persistent id."""
 
 
 def _rebuild(
@@ -82,14 +117,14 @@ def _rebuild(
     # ``metadata`` holds lazy flags of the saved view ({"conj": True}, {"neg": True}): its stored bytes are
     # the un-conjugated, un-negated ones, so only ``torch.load`` (which applies them) gives its values.
     if metadata or not (
-        isinstance(storage, str)
+        isinstance(storage, _Stored)
         and type(storage_offset) is int
         and isinstance(size, tuple)
         and isinstance(stride, tuple)
         and all(type(s) is int for s in (*size, *stride))
     ):
         raise _NotPlain
-    return _Rebuild(storage, storage_offset, size, stride)
+    return _Rebuild(storage.key, storage.dtype, storage_offset, size, stride)
 
 
 class _PlainTensorUnpickler(pickle.Unpickler):
@@ -98,13 +133,19 @@ class _PlainTensorUnpickler(pickle.Unpickler):
             return _rebuild
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
-        if module == "torch" and name.endswith("Storage") and name.isidentifier():
-            return _StorageType
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
         raise _NotPlain
 
     def persistent_load(self, pid: Any) -> Any:
-        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str):
-            return pid[2]
+        if (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType)
+            and isinstance(pid[2], str)
+        ):
+            return _Stored(pid[2], pid[1].dtype)
         raise _NotPlain
 
 
@@ -117,10 +158,12 @@ def _row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def raw_location(fd: int, start: int, length: int, sizes: tuple[int, ...], itemsize: int) -> int | None:
-    """The file offset of the raw row-major bytes of the tensor of ``sizes`` saved at ``[start, +length)``.
+def raw_location(fd: int, start: int, length: int, sizes: tuple[int, ...], dtype: torch.dtype) -> int | None:
+    """The file offset of the raw row-major bytes of the tensor saved at ``[start, +length)``.
 
-    ``None`` when the blob is anything else (another layout, a storage larger than the tensor, a
+    Found only for a tensor of ``sizes`` and ``dtype``, as the metadata says it is.
+
+    ``None`` when the blob is anything else (another dtype or layout, a storage larger than the tensor, a
     big-endian file, an unexpected recipe): the caller then decodes it with ``torch.load``. Blocking.
     """
     window = _Window(fd, start, length)
@@ -132,13 +175,18 @@ def raw_location(fd: int, start: int, length: int, sizes: tuple[int, ...], items
             prefix = pkl[: -len("data.pkl")]
             if f"{prefix}byteorder" in zf.namelist() and zf.read(f"{prefix}byteorder") != b"little":
                 return None
-            found = _PlainTensorUnpickler(io.BytesIO(zf.read(pkl))).load()
+            recipe = zf.getinfo(pkl)
+            # torch.save stores its records; a compressed one could inflate to any size in memory here.
+            if recipe.compress_type != zipfile.ZIP_STORED or recipe.file_size > length:
+                return None
+            found = _PlainTensorUnpickler(io.BytesIO(zf.read(recipe))).load()
             if not isinstance(found, _Rebuild):
                 return None
             info = zf.getinfo(f"{prefix}data/{found.key}")
-        nbytes = math.prod(sizes) * itemsize
+        nbytes = math.prod(sizes) * dtype.itemsize
         if (
-            found.size != sizes
+            found.dtype != dtype
+            or found.size != sizes
             or len(found.stride) != len(sizes)
             or found.storage_offset != 0
             or not _row_major(found.size, found.stride)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -29,6 +30,18 @@ def is_torch_file(path: Path) -> bool:
     return head.startswith(_ZIP_MAGIC) or head == _LEGACY_MAGIC
 
 
+def _compressed(path: Path) -> bool:
+    """Whether the zip archive ``path`` holds a compressed record (``torch.save`` stores them all). Blocking.
+
+    ``False`` for anything else (a legacy file, an unreadable archive): ``torch.load`` reports those.
+    """
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return any(info.compress_type != zipfile.ZIP_STORED for info in zf.infolist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
 def load_file(path: Path, *, allow_pickle: bool) -> object:
     """``torch.load`` of ``path`` onto the CPU, memory-mapped where the file allows it. Blocking.
 
@@ -38,6 +51,9 @@ def load_file(path: Path, *, allow_pickle: bool) -> object:
         StorageError: It cannot be read.
     """
     try:
+        if _compressed(path):
+            # torch.load(mmap=True) would map a compressed record's bytes as the tensor's, unchecked.
+            return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
         try:
             return torch.load(path, map_location="cpu", weights_only=not allow_pickle, mmap=True)
         except RuntimeError as exc:
