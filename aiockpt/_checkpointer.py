@@ -678,7 +678,10 @@ class Checkpointer:
 
         Raises:
             StorageError: ``root`` cannot be listed (but for its being missing, which is waited out).
+            CheckpointError: ``poll_interval`` is not a positive number of seconds (at the first step).
         """
+        if not (isinstance(poll_interval, (int, float)) and poll_interval > 0):  # (0 or nan: a busy loop)
+            raise CheckpointError(f"poll_interval must be positive seconds, not {poll_interval!r}")
         # Every step of the last listing: a step is new when it is not among them. (Forgetting the steps
         # that retention removed keeps this as small as the root; a step of that number saved again
         # later, in a root made afresh say, is a new checkpoint and is yielded.)

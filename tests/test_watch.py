@@ -238,3 +238,11 @@ async def test_an_rl_actor_started_after_the_learner_finished_ends_on_its_last_s
     await example.learner(root, 20, 10, 0.0)
     with anyio.fail_after(30):
         await example.actor("late-actor", root, 0.0)
+
+
+@pytest.mark.parametrize("interval", [0, -1.0, float("nan")])
+async def test_watch_refuses_a_poll_interval_that_is_not_positive(root: Path, interval: float) -> None:
+    # 0 (or nan, which anyio.sleep returns from at once) listed the root in a busy loop.
+    async with Checkpointer(root) as ckpt:
+        with pytest.raises(aiockpt.CheckpointError, match="poll_interval"):
+            await anext(ckpt.watch(poll_interval=interval))
