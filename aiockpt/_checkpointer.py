@@ -46,7 +46,7 @@ T = TypeVar("T")
 
 LATEST = "latest"
 _LOAD_ATTEMPTS = 3
-STEP_RE = re.compile(r"step-(\d+)")
+STEP_RE = re.compile(r"step-([0-9]+)")
 
 
 async def _exists(path: Location) -> bool:
@@ -60,6 +60,19 @@ async def _exists(path: Location) -> bool:
 def step_dir_name(step: int) -> str:
     """``100`` -> ``step-00000100``."""
     return f"step-{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step whose directory is called ``name``, or ``None`` if it is not a step's name.
+
+    Only the name :func:`step_dir_name` gives counts: ``step-5`` beside ``step-00000005`` (a copy made by
+    hand), or digits other than ASCII ones, would list one step twice, or a step that was never saved.
+    """
+    m = STEP_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if name == step_dir_name(step) else None
 
 
 def _listed_steps(root: Path) -> list[int]:
@@ -77,9 +90,9 @@ def scan_steps(root: Path) -> list[int]:
     steps = []
     with os.scandir(root) as it:
         for entry in it:
-            m = STEP_RE.fullmatch(entry.name)
-            if m and entry.is_dir() and is_checkpoint(Path(entry.path)):
-                steps.append(int(m.group(1)))
+            step = step_of(entry.name)
+            if step is not None and entry.is_dir() and is_checkpoint(Path(entry.path)):
+                steps.append(step)
     return sorted(steps)
 
 
@@ -94,10 +107,10 @@ async def _scan_objects(root: S3Path, *, collect: bool) -> list[int]:
     steps = []
     horizon = time.time() - root.options.stale_after
     for name, (done, newest, keys) in (await children(root)).items():
-        m = STEP_RE.fullmatch(name)
-        if m and done:
-            steps.append(int(m.group(1)))
-        elif m and collect and newest < horizon:
+        step = step_of(name)
+        if step is not None and done:
+            steps.append(step)
+        elif step is not None and collect and newest < horizon:
             await delete(root / name, keys)
     return sorted(steps)
 

@@ -104,6 +104,23 @@ async def test_keep_last_retention_and_latest(root: Path) -> None:
     assert tmp_entries(root) == []
 
 
+async def test_only_the_names_a_save_gives_are_steps(root: Path) -> None:
+    # `step-5` beside `step-00000005` (a copy made by hand) listed step 5 twice, and `step-` with an
+    # Arabic-Indic seven listed a step 7 that was never saved, which a save of step 7 then found existing.
+    async with Checkpointer(root, keep_last=2) as ckpt:
+        await ckpt.save(state_for(5), step=5)
+    shutil.copytree(root / step_dir(5), root / "step-5")
+    shutil.copytree(root / step_dir(5), root / "step-\u0667")
+    async with Checkpointer(root, keep_last=2) as ckpt:
+        assert ckpt.steps() == [5]
+        await ckpt.save(state_for(7), step=7)
+        assert ckpt.steps() == [5, 7]
+        assert_tree_equal(await ckpt.read(7), state_for(7))
+    assert sorted(n for n in listdir(root) if n.startswith("step-")) == sorted(
+        ["step-5", "step-\u0667", step_dir(5), step_dir(7)]
+    )
+
+
 async def test_load_latest_and_a_given_step(root: Path) -> None:
     async with Checkpointer(root, keep_last=2) as ckpt:
         for step in range(1, 6):

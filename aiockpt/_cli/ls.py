@@ -12,7 +12,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from .._checkpointer import LATEST, STEP_RE
+from .._checkpointer import LATEST, STEP_RE, step_of
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptionError
 from .._format import PART_RE, part_dir_name
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, owner_alive
@@ -146,8 +146,8 @@ def list_root(root: Path) -> tuple[list[StepRow], list[OtherRow], str | None]:
     others: list[OtherRow] = []
     latest: str | None = None
     for entry in sorted(root.iterdir()):
-        if (m := STEP_RE.fullmatch(entry.name)) and entry.is_dir():
-            steps.append(_step_row(entry, int(m.group(1))))
+        if (step := step_of(entry.name)) is not None and entry.is_dir():
+            steps.append(_step_row(entry, step))
         elif entry.name.startswith(TMP_PREFIX):
             if (other := _other_row(entry)) is not None:
                 others.append(other)

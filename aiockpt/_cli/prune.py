@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from .._checkpointer import LATEST, STEP_RE, delete_steps, doomed_steps, scan_steps, step_dir_name
+from .._checkpointer import LATEST, delete_steps, doomed_steps, scan_steps, step_dir_name, step_of
 from .._errors import CheckpointNotFoundError
 from .._fs import collect_garbage
 from .._load import is_checkpoint
@@ -18,10 +18,9 @@ SCHEMA = "aiockpt.prune/1"
 
 def _latest_step(root: Path) -> int | None:
     try:
-        m = STEP_RE.fullmatch((root / LATEST).read_text().strip())
+        return step_of((root / LATEST).read_text().strip())
     except FileNotFoundError:
         return None
-    return int(m.group(1)) if m else None
 
 
 @click.command("prune", short_help="Delete old steps and temp data of crashed saves.")
