@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError, CorruptionError
 from .._format import PART_RE, part_dir_name
 from .._fs import LOCK_SUFFIX, TMP_PREFIX, owner_alive
 from .._load import is_checkpoint, published_parts, read_manifest
-from .._load._manifest import MAX_NAMED_RANKS, missing_ranks
+from .._load._manifest import first_missing, missing_ranks
 from .._storage import local
 from ._common import disk_usage, human_bytes, iso_utc, json_option, local_time, print_json, stdout
 
@@ -73,10 +72,7 @@ def _step_row(path: Path, step: int) -> StepRow:
             world, dirs = parts
             have = {int(m.group(1)) for d in dirs if (m := PART_RE.fullmatch(d.name))}
             # (the world size is a directory's name: ranks are named, and looked for, a few at most)
-            lacking = (r for r in range(world) if r not in have)
-            writing = [
-                r for r in itertools.islice(lacking, MAX_NAMED_RANKS) if _part_in_progress(path, r, world)
-            ]
+            writing = [r for r in first_missing(have, world) if _part_in_progress(path, r, world)]
             row.problem = (
                 f"incomplete: the parts of ranks {missing_ranks(have, world)} (of {world}) are missing"
             )

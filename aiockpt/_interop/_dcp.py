@@ -32,7 +32,7 @@ import torch
 
 from .._errors import CorruptionError, FormatError, StateError, StorageError
 from .._format import MAX_READ_DEPTH, Chunk, KeyPath, Manifest, Node, PickleNode, TensorEntry, TensorNode
-from .._load._manifest import MAX_BYTES, dtype_itemsize
+from .._load._manifest import MAX_BYTES, box_inside, dtype_itemsize
 from .._load._match import Destination
 from .._load._read import read_into
 from .._tree import dtype_name
@@ -229,13 +229,8 @@ class DcpSource(DecodingSource):
         else:
             for c in item.chunks:
                 offsets, sizes = tuple(c.offsets), tuple(c.sizes)
-                if not (
-                    len(offsets) == len(sizes) == len(shape)
-                    and all(type(n) is int for n in (*offsets, *sizes))
-                    and all(
-                        min(o, n) >= 0 and o + n <= d for o, n, d in zip(offsets, sizes, shape, strict=True)
-                    )
-                ):
+                ints = all(type(n) is int for n in (*offsets, *sizes))
+                if not (ints and box_inside(offsets, sizes, shape)):
                     problem = f"a chunk box {list(offsets)} + {list(sizes)} outside the shape {list(shape)}"
                     break
         if problem is not None:

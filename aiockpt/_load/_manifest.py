@@ -258,9 +258,7 @@ class _Entries:
         for c in entry.chunks:
             if c.sizes == shape and len(c.offsets) == len(shape) and not any(c.offsets):
                 nbytes = whole  # the common case: one chunk holds the whole tensor
-            elif len(c.offsets) == len(shape) == len(c.sizes) and all(
-                min(o, n) >= 0 and o + n <= dim for o, n, dim in zip(c.offsets, c.sizes, shape, strict=True)
-            ):
+            elif box_inside(c.offsets, c.sizes, shape):
                 nbytes = None if itemsize is None else math.prod(c.sizes) * itemsize
             else:
                 return f"chunk box {list(c.offsets)} + {list(c.sizes)} is not inside the shape {list(shape)}"
@@ -286,6 +284,13 @@ class _Entries:
                 (a, b) = found
                 return f"chunk boxes {list(a[0])} + {list(a[1])} and {list(b[0])} + {list(b[1])} overlap"
         return None
+
+
+def box_inside(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether the chunk box ``offsets`` + ``sizes`` has ``shape``'s dimensions and lies inside it."""
+    return len(offsets) == len(sizes) == len(shape) and all(
+        min(o, n) >= 0 and o + n <= dim for o, n, dim in zip(offsets, sizes, shape, strict=True)
+    )
 
 
 # Per dtype name: the size of an element, ``0`` for a dtype no save writes (quantized, sub-byte), ``None``
@@ -460,14 +465,21 @@ def _read_part(part: Path) -> Manifest:
 MAX_NAMED_RANKS = 16
 
 
-def missing_ranks(have: Collection[int], world: int) -> str:
-    """The ranks below ``world`` that ``have`` lacks, as ``[1, 2]``; the first MAX_NAMED_RANKS of them only.
+def first_missing(have: Collection[int], world: int) -> list[int]:
+    """The first MAX_NAMED_RANKS ranks below ``world`` that ``have`` lacks.
 
     Never a set of ``world`` ranks: a part's name says its world size, and a damaged or forged one can
     say any (``rank-00000-of-99999999999``).
     """
-    lacking = (r for r in range(world) if r not in have)
-    named = list(itertools.islice(lacking, MAX_NAMED_RANKS))
+    return list(itertools.islice((r for r in range(world) if r not in have), MAX_NAMED_RANKS))
+
+
+def missing_ranks(have: Collection[int], world: int) -> str:
+    """The ranks below ``world`` that ``have`` lacks, as ``[1, 2]`` or ``[1, 2, and 7 more]``.
+
+    Those of :func:`first_missing`, and how many more.
+    """
+    named = first_missing(have, world)
     more = world - len(have) - len(named)  # (``have`` holds ranks below ``world`` only)
     return f"[{', '.join(map(str, named))}{f', and {more} more' if more > 0 else ''}]"
 
