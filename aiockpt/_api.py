@@ -17,6 +17,7 @@ from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._interop import detect, load_foreign, read_foreign
 from ._load import run_load, run_read
+from ._load._ranks import checked_rank, this_rank
 from ._memory import ONE_SHOT_PINNED, StagingPool
 from ._options import IOConfig
 from ._runner import start_background
@@ -163,6 +164,11 @@ async def load(
         io: I/O tuning.
         s3: Object-store settings for an ``s3://`` path (default: from the AWS environment variables).
 
+    Per-rank state (values that the ranks of a distributed save held differently under one key, such
+    as each rank's RNG state) is loaded as this process saved it: this process's rank in
+    ``torch.distributed``'s default group when it is initialised, else rank 0's. A key that only other
+    ranks saved is missing from the checkpoint for this rank (a strict load reports it).
+
     Returns:
         ``state``.
 
@@ -171,6 +177,8 @@ async def load(
         FormatError: The manifest is unreadable or from a newer format.
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
+        StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a smaller
+            world); names the key.
     """
     target = resolve(path, s3)
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
@@ -178,7 +186,9 @@ async def load(
         assert isinstance(target, Path)
         await load_foreign(state, target, kind, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
         return state
-    await run_load(state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+    await run_load(
+        state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig(), rank=this_rank()
+    )
     return state
 
 
@@ -188,6 +198,7 @@ async def read(
     allow_pickle: bool = False,
     io: IOConfig | None = None,
     s3: S3Options | None = None,
+    rank: int | None = None,
 ) -> dict[Key, object]:
     """Read the checkpoint at ``path`` as a fresh nested structure of CPU tensors and plain values.
 
@@ -197,16 +208,31 @@ async def read(
     aiockpt checkpoint on a local file system are copy-on-write views of its data files, verified when
     read (see ``IOConfig.map_reads``).
 
+    Args:
+        path: A checkpoint directory, an ``s3://bucket/prefix`` URL, or a foreign checkpoint.
+        allow_pickle: Unpickle stored objects (only for checkpoints you trust).
+        io: I/O tuning.
+        s3: Object-store settings for an ``s3://`` path (default: from the AWS environment variables).
+        rank: Whose per-rank state to return (values that the ranks of a distributed save held
+            differently under one key, such as each rank's RNG state): a key that only other ranks saved
+            is absent. ``None``: this process's rank in ``torch.distributed``'s default group when it is
+            initialised, else 0. An int reads any rank's, say to export rank 3's RNG state offline (a
+            rank outside the world that saved it gets the state every rank shared). Foreign checkpoints
+            have no per-rank state.
+
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint.
         FormatError: The manifest is unreadable or from a newer format, or a tensor's dtype is unknown
             to this torch (names the key).
         CorruptionError: Stored bytes fail verification (names the key and file).
-        StateError: A pickled object is stored and ``allow_pickle`` is false.
+        StateError: A pickled object is stored and ``allow_pickle`` is false, or ``rank`` has no item of
+            a list or tuple saved per rank (a rank outside the world that saved it; names the key).
+        CheckpointError: ``rank`` is not an int of at least 0.
     """
+    chosen = this_rank() if rank is None else checked_rank(rank)
     target = resolve(path, s3)
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
     if kind != "aiockpt":
         assert isinstance(target, Path)
         return await read_foreign(target, kind, allow_pickle=allow_pickle, io=io or IOConfig())
-    return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig())
+    return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen)

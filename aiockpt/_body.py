@@ -7,7 +7,9 @@ manifest and 3.5 ms for its tree, each a stall of the event loop. Format 2 store
 msgpack ``bin`` values of one slice (:data:`~._codec.SLICE` items) each. A decoder skips a ``bin`` by its
 length, so no call does more than one slice's work. A nested tree has no slices to cut, so format 2
 stores its nodes flat, in preorder, a container as an :class:`~._format.OpenNode` that says how many
-children follow (:func:`tree_records`); :func:`tree_from_blobs` rebuilds the nesting.
+children follow (:func:`tree_records`); :func:`tree_from_blobs` rebuilds the nesting. Format 3 is
+format 2 whose tree may hold per-rank state (:class:`~._format.RanksNode`, an ``OpenNode`` of kind
+``"ranks"``); a body is written as format 3 only when its tree does (:func:`body_version`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import msgspec
 
 from ._codec import SLICE, SlicedDecoder, encode_parts, slice_blobs
 from ._format import (
-    FORMAT_VERSION,
     MAX_READ_DEPTH,
+    PLAIN_VERSION,
+    RANKS_VERSION,
     BytesNode,
     DictNode,
     Key,
@@ -31,6 +34,7 @@ from ._format import (
     Node,
     OpenNode,
     PickleNode,
+    RanksNode,
     Record,
     TensorEntry,
     TensorNode,
@@ -48,11 +52,46 @@ def _only_leaves(nodes: tuple[Node, ...]) -> bool:
     return all(_LEAVES.issuperset(map(type, nodes[i : i + SLICE])) for i in range(0, len(nodes), SLICE))
 
 
+def holds_ranks(tree: DictNode) -> bool:
+    """Whether ``tree`` holds per-rank state (a :class:`~._format.RanksNode`) anywhere.
+
+    A walk with a stack of its own (of the children of each container met) that looks at the children
+    a slice at a time: a slice of leaves only, the bulk of a state, costs one C call and no Python work
+    per node, and no call holds the GIL for long (a dict of 20,000 tensors is 40 short calls).
+    """
+    stack: list[tuple[Node, ...]] = [tree.values]
+    while stack:
+        nodes = stack.pop()
+        for start in range(0, len(nodes), SLICE):
+            piece = nodes[start : start + SLICE]
+            kinds = set(map(type, piece))
+            if RanksNode in kinds:
+                return True
+            if _LEAVES.issuperset(kinds):
+                continue
+            for node in piece:
+                if isinstance(node, DictNode):
+                    stack.append(node.values)
+                elif isinstance(node, ListNode | TupleNode):
+                    stack.append(node.items)
+    return False
+
+
+def body_version(manifest: Manifest) -> int:
+    """The format version ``manifest``'s body is written in: 3 where its tree holds per-rank state, else 2.
+
+    Version 2 where it can be, so that a checkpoint without per-rank state stays readable by releases
+    that read up to version 2.
+    """
+    return RANKS_VERSION if holds_ranks(manifest.tree) else PLAIN_VERSION
+
+
 def tree_records(tree: DictNode) -> Iterator[Record]:
     """The nodes of ``tree`` in preorder, each with its key in the dict that holds it.
 
-    A container is an :class:`OpenNode` of its kind and size; the records of its children follow it
-    (each child's whole subtree before the next child).
+    A container is an :class:`OpenNode` of its kind and size (a :class:`~._format.RanksNode`, one of
+    kind ``"ranks"`` with its ranks); the records of its children follow it (each child's whole subtree
+    before the next child).
     """
     # One iterator over the (key, child) pairs of each open container: a container of 10^4 children
     # is never copied whole (one C call that would hold the GIL for milliseconds).
@@ -74,6 +113,9 @@ def tree_records(tree: DictNode) -> Iterator[Record]:
         elif isinstance(node, ListNode | TupleNode):
             kind: Literal["list", "tuple"] = "list" if isinstance(node, ListNode) else "tuple"
             yield key, OpenNode(kind=kind, size=len(node.items))
+            stack.append(zip(repeat(None), node.items))
+        elif isinstance(node, RanksNode):
+            yield key, OpenNode(kind="ranks", size=len(node.items), ranks=node.ranks)
             stack.append(zip(repeat(None), node.items))
         else:
             yield key, node
@@ -100,16 +142,22 @@ class _Open:
             return DictNode(keys=tuple(self.keys), values=tuple(self.values), origin=self.node.origin)
         if self.node.kind == "list":
             return ListNode(items=tuple(self.values))
+        if self.node.kind == "ranks":
+            return RanksNode(ranks=self.node.ranks, items=tuple(self.values))
         return TupleNode(items=tuple(self.values))
 
 
 def tree_from_blobs(blobs: Sequence[bytes | memoryview]) -> DictNode:
     """Rebuild the tree that :func:`tree_blobs` encoded.
 
+    What a :class:`~._format.RanksNode` holds (its ranks against its items, where it stands) is left
+    to ``check_manifest``, which refuses every such node of a version-2 manifest.
+
     Raises:
         msgspec.ValidationError: The records do not form one tree whose root is a dict: a record after
             the root is complete, a key where none belongs (or none where one does), a container whose
-            records end early, containers nested more than :data:`~._format.MAX_READ_DEPTH` levels deep.
+            records end early, containers nested more than :data:`~._format.MAX_READ_DEPTH` levels deep
+            (per-rank state counting as a level), ranks on a record of another kind than ``"ranks"``.
             The message names the record by its index.
         msgspec.DecodeError: A blob is not valid msgpack.
     """
@@ -143,6 +191,8 @@ def tree_from_blobs(blobs: Sequence[bytes | memoryview]) -> DictNode:
                 raise bad("a record follows the complete tree")
             node: Node
             if isinstance(record, OpenNode):
+                if record.ranks and record.kind != "ranks":
+                    raise bad(f"a {record.kind} lists ranks")
                 if len(stack) >= MAX_READ_DEPTH:
                     # (Refused before the nesting is built: nothing recurses into a tree deeper than this.)
                     raise bad(f"the tree nests containers more than {MAX_READ_DEPTH} levels deep")
@@ -175,20 +225,33 @@ def tree_from_blobs(blobs: Sequence[bytes | memoryview]) -> DictNode:
     return root
 
 
-def body_parts(manifest: Manifest) -> list[bytes]:
-    """``manifest`` encoded as the body of a current-format manifest file, a slice at a time, in pieces.
+def body_parts(manifest: Manifest, *, version: int | None = None) -> list[bytes]:
+    """``manifest`` encoded as the body of a manifest file, a slice at a time, in pieces.
 
-    The pieces joined are :func:`encode_body`'s bytes; the blobs are not copied (see
+    The body is of format ``version``, 2 or 3, by default :func:`body_version`'s (a caller that must
+    name the version in the envelope too passes the one it computed). Its ``format_version`` field says
+    so. The pieces joined are :func:`encode_body`'s bytes; the blobs are not copied (see
     :func:`~._codec.encode_parts`).
+
+    Raises:
+        ValueError: ``version`` is not 2 or 3.
     """
-    wire = msgspec.structs.replace(manifest, format_version=FORMAT_VERSION)
+    if version is None:
+        version = body_version(manifest)
+    if version not in (PLAIN_VERSION, RANKS_VERSION):
+        raise ValueError(f"no encoder for format version {version}")
+    wire = msgspec.structs.replace(manifest, format_version=version)
     blobs = {"tree": tree_blobs(manifest.tree), "tensors": slice_blobs(manifest.tensors)}
     return encode_parts(wire, blobs)
 
 
-def encode_body(manifest: Manifest) -> bytes:
-    """``manifest`` encoded as the body of a current-format manifest file, a slice at a time."""
-    return b"".join(body_parts(manifest))
+def encode_body(manifest: Manifest, *, version: int | None = None) -> bytes:
+    """``manifest`` encoded as the body of a manifest file, a slice at a time (see :func:`body_parts`).
+
+    Raises:
+        ValueError: ``version`` is not 2 or 3.
+    """
+    return b"".join(body_parts(manifest, version=version))
 
 
 # Format 1: the tree decoded in a call of its own, the tensor entries 512 at a time from the raw array
@@ -208,11 +271,13 @@ _V2 = SlicedDecoder(
     item_name="tensor entry",
     blobs=True,
 )
-_DECODERS = {1: _V1, 2: _V2}
+# Format 3 is format 2 whose tree may hold a RanksNode, which format 2's decoder rebuilds as well
+# (``check_manifest`` refuses one in a version-2 manifest).
+_DECODERS = {1: _V1, 2: _V2, 3: _V2}
 
 
 def decode_body(body: bytes | memoryview, version: int) -> Manifest:
-    """Decode the body of a manifest file of format ``version`` (1 to :data:`FORMAT_VERSION`).
+    """Decode the body of a manifest file of format ``version`` (1 to :data:`~._format.FORMAT_VERSION`).
 
     Raises:
         ValueError: ``version`` is not one this aiockpt reads.

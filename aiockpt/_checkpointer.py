@@ -614,6 +614,11 @@ class Checkpointer:
         before touching ``state`` (every data file is opened before the first byte lands) and is retried
         with the new latest step.
 
+        Per-rank state (values that the ranks of a distributed save held differently under one key,
+        such as each rank's RNG state) is loaded as this rank saved it, its rank in this Checkpointer's
+        group (with ``use_collectives=False``, the rank of its parts): a key that only other ranks saved
+        is missing from the checkpoint for this rank (a strict load reports it).
+
         Returns:
             The step loaded, or ``None`` when there is no committed checkpoint (``state`` is untouched).
 
@@ -622,13 +627,25 @@ class Checkpointer:
                 retention) while being loaded; ``state`` is untouched then.
             CorruptionError: Stored bytes fail verification (names the key and file).
             StateMismatchError: ``strict`` and the target differs; nothing was loaded.
+            StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a
+                smaller world); names the key.
         """
 
         async def run(path: Location) -> None:
-            await run_load(state, path, strict=strict, allow_pickle=self.allow_pickle, io=self.io)
+            await run_load(
+                state, path, strict=strict, allow_pickle=self.allow_pickle, io=self.io, rank=self._rank
+            )
 
         done = await self._with_step(step, run)
         return None if done is None else done[0]
+
+    @property
+    def _rank(self) -> int:
+        """This process's rank in the world of its saves, whose per-rank state its loads read (once open).
+
+        That of its group, or with ``use_collectives=False`` the rank its parts are saved as; 0 alone.
+        """
+        return self._world.rank if self._part is None else self._part[0]
 
     async def _with_step(
         self, step: int | None, run: Callable[[Location], Awaitable[T]]
@@ -718,16 +735,19 @@ class Checkpointer:
         """Read checkpoint ``step`` (default: the latest) as a fresh tree of CPU tensors.
 
         Like :meth:`load`, a read of the latest step that another process's retention deletes under it
-        is retried with the new latest step.
+        is retried with the new latest step. Per-rank state is this rank's, as :meth:`load` reads it: a
+        key that only other ranks saved is absent.
 
         Raises:
             CheckpointNotFoundError: ``step`` is not committed, or there is no checkpoint at all, or it
                 was deleted (by another process's retention) while being read.
             CorruptionError: Stored bytes fail verification (names the key and file).
+            StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a
+                smaller world); names the key.
         """
 
         async def run(path: Location) -> dict[Key, object]:
-            return await run_read(path, allow_pickle=self.allow_pickle, io=self.io)
+            return await run_read(path, allow_pickle=self.allow_pickle, io=self.io, rank=self._rank)
 
         done = await self._with_step(step, run)
         if done is None:

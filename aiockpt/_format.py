@@ -10,9 +10,18 @@ Compatibility rule: a new field always gets a default, so version-1 readers of a
 working, and a change that old readers would misread bumps :data:`FORMAT_VERSION`. Every version ever
 written stays readable: ``aiockpt._body`` encodes the current one and decodes each.
 
-Version 2 changed how the body stores its two large fields (see ``aiockpt._body``): the tree as its
-nodes in preorder (:data:`Record`), and both the tree and the tensor entries as ``bin`` values of one
-slice each. The in-memory :class:`Manifest` is the same for every version.
+Version history:
+
+- 1: the tree nested as it is, the tensor entries one msgpack array.
+- 2: the body stores its two large fields differently (see ``aiockpt._body``): the tree as its nodes in
+  preorder (:data:`Record`), and both the tree and the tensor entries as ``bin`` values of one slice
+  each.
+- 3: version 2 and per-rank state (:class:`RanksNode`, stored as an :class:`OpenNode` of kind
+  ``"ranks"``). A writer writes version 3 only for a tree that holds a :class:`RanksNode` and version 2
+  otherwise, so that a checkpoint without per-rank state stays readable by releases that read up to 2
+  (a version-2 reader would misread a ``"ranks"`` record as another container).
+
+The in-memory :class:`Manifest` is the same for every version.
 """
 
 from __future__ import annotations
@@ -22,7 +31,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# The version written for a tree that holds a :class:`RanksNode` (the first to hold one), and the one
+# written for any other tree.
+RANKS_VERSION = 3
+PLAIN_VERSION = 2
 MAGIC = "aiockpt"
 MANIFEST_NAME = "manifest.msgpack"
 
@@ -103,19 +116,41 @@ class PickleNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="pickl
     type_name: str
 
 
-Node = DictNode | ListNode | TupleNode | TensorNode | ValueNode | BytesNode | PickleNode
+class RanksNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="ranks"):
+    """Per-rank state: rank ``ranks[i]`` saved ``items[i]`` here; a rank not listed lacks this key.
+
+    Where the ranks of a distributed save hold different values under one key (each rank's RNG state, a
+    key only one rank has), the tree holds this node instead of rank 0's value. It is a dict value or an
+    item of a list or tuple (then every rank of the world is listed: an item cannot be absent), never
+    the root, and no rank's item holds another one. ``ranks`` increase strictly; a :class:`TensorNode`
+    in rank ``r``'s item indexes rank ``r``'s own entry of ``Manifest.tensors`` (entries of several
+    ranks may share a key path). Only format version 3 and later hold it (see ``check_manifest``).
+    """
+
+    ranks: tuple[int, ...]
+    items: tuple[Node, ...]
 
 
-class OpenNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="open"):
-    """Format 2's flat tree: a container whose ``size`` children are the subtrees whose records follow."""
+Node = DictNode | ListNode | TupleNode | TensorNode | ValueNode | BytesNode | PickleNode | RanksNode
 
-    kind: Literal["dict", "list", "tuple"]
+
+class OpenNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="open", omit_defaults=True):
+    """Format 2's flat tree: a container whose ``size`` children are the subtrees whose records follow.
+
+    A :class:`RanksNode` (format 3) is one of kind ``"ranks"`` whose ``ranks`` are the node's and whose
+    children are its items, in order; ``ranks`` is empty for the other kinds. Fields at their default
+    are left out of the encoding: a version-2 record is then what releases before version 3 wrote
+    (but for an ``origin`` of ``None``, which they wrote and read as the default).
+    """
+
+    kind: Literal["dict", "list", "tuple", "ranks"]
     size: Annotated[int, msgspec.Meta(ge=0)]
     origin: str | None = None
+    ranks: tuple[int, ...] = ()
 
 
 # One node of a format-2 tree in preorder: its key in the enclosing dict (``None`` in a list or tuple,
-# and for the root), and the node itself, a container's children left out.
+# in a RanksNode, and for the root), and the node itself, a container's children left out.
 Record = tuple[Key | None, OpenNode | TensorNode | ValueNode | BytesNode | PickleNode]
 
 

@@ -418,11 +418,15 @@ def load(
 
 
 def read(
-    path: str | os.PathLike[str], *, allow_pickle: bool = False, io: IOConfig | None = None
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    io: IOConfig | None = None,
+    rank: int | None = None,
 ) -> dict[Key, object]:
-    """Read ``path`` as a fresh tree of CPU tensors; see :func:`aiockpt.read`."""
+    """Read ``path`` as a fresh tree of CPU tensors (``rank``'s per-rank state); see :func:`aiockpt.read`."""
 
     async def run() -> dict[Key, object]:
-        return await _api.read(path, allow_pickle=allow_pickle, io=io)
+        return await _api.read(path, allow_pickle=allow_pickle, io=io, rank=rank)
 
     return _run(run, "read")

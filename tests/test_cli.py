@@ -224,7 +224,7 @@ def test_inspect_describes_every_tensor_and_value(root: Path, tmp_path: Path) ->
 
     manifest = read_manifest(path)
     assert doc["schema"] == "aiockpt.inspect/1"
-    assert doc["format_version"] == aiockpt.FORMAT_VERSION
+    assert doc["format_version"] == 2  # (no per-rank state: version 3 only for that)
     assert doc["step"] == 7
     assert doc["world_size"] == 1
     assert doc["created_at"] == manifest.created_at
@@ -261,6 +261,8 @@ def test_inspect_describes_every_tensor_and_value(root: Path, tmp_path: Path) ->
     assert {s["key"]: s["type"] for s in doc["statefuls"]} == {
         "model": "torch.nn.modules.container.Sequential"
     }
+    # Nothing is per-rank state: every leaf is the state every rank shares.
+    assert {x["rank"] for x in (*doc["tensors"], *doc["values"], *doc["statefuls"])} == {None}
 
     assert text.returncode == 0, text.stderr
     out = text.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -251,11 +252,16 @@ async def _checkpointer_run(rank: int, world: int, root: str) -> tuple[list[int]
         await aiockpt.Checkpointer(root, max_inflight=2).open()
     with pytest.raises(aiockpt.CheckpointError, match="on_busy='skip'"):
         await aiockpt.Checkpointer(root, on_busy="skip").open()
-    # Keys of one rank only: refused on every rank (the manifest's tree is rank 0's), nothing published.
-    other = Path(root).parent / "per-rank"
-    with pytest.raises(aiockpt.StateError, match=r"rank 1 holds tensor 'rng/rank1', which rank 0's"):
-        await aiockpt.save({"w": torch.ones(2), "rng": {f"rank{rank}": torch.ones(3)}}, other)
-    assert not other.exists()
+    # Per-rank state through a Checkpointer: each rank's own keys and values come back to it.
+    async with aiockpt.Checkpointer(Path(root).parent / "per-rank") as other:
+        await other.save({"w": torch.ones(2), "rng": {f"rank{rank}": torch.full((3,), rank)}}, step=1)
+        target: dict[str, Any] = {
+            "w": torch.zeros(2),
+            "rng": {f"rank{rank}": torch.zeros(3, dtype=torch.long)},
+        }
+        await other.load(target)
+        assert torch.equal(target["rng"][f"rank{rank}"], torch.full((3,), rank))
+        assert list((await other.read())["rng"]) == [f"rank{rank}"]  # type: ignore[call-overload]
     return ckpt.steps(), loaded
 
 
@@ -400,3 +406,146 @@ def test_tied_checkpoint_keys_fill_every_separate_dtensor_target(tmp_path: Path)
         [],
         [],
     ]
+
+
+def _per_rank_state(rank: int) -> dict[str, Any]:
+    """State of ``rank`` whose every key but "model", "big" and "same" differs between ranks."""
+    torch.manual_seed(100 + rank)
+    return {
+        "model": torch.ones(100),
+        "rng": torch.get_rng_state(),  # a different generator state on each rank
+        "pos": rank * 100,  # a dataloader's position
+        "dl": {f"dp_rank_{rank}": b"x" * (rank + 1)},  # keys that name the rank (torchtitan's dataloader)
+        "buf": torch.arange(rank + 3),  # a shape per rank
+        "big": torch.full((40_000,), 1.0),  # 160 KB, the same everywhere
+        "same": 5,
+    }
+
+
+def _template(rank: int) -> dict[str, Any]:
+    return {
+        "model": torch.zeros(100),
+        "rng": torch.zeros_like(torch.get_rng_state()),
+        "pos": -1,
+        "dl": {f"dp_rank_{rank}": b""},
+        "buf": torch.zeros(rank + 3, dtype=torch.long),
+        "big": torch.zeros(40_000),
+        "same": 0,
+    }
+
+
+def _differences(expected: dict[str, Any], actual: Mapping[Any, object]) -> list[str]:
+    wrong = []
+    for key, want in expected.items():
+        got = actual.get(key)
+        same = (
+            isinstance(got, torch.Tensor) and torch.equal(got, want)
+            if isinstance(want, torch.Tensor)
+            else got == want
+        )
+        if not same:
+            wrong.append(key)
+    return wrong
+
+
+async def _save_and_load_per_rank(rank: int, world: int, path: str) -> list[str]:
+    await aiockpt.save(_per_rank_state(rank), path)
+    target = _template(rank)
+    await aiockpt.load(target, path)  # strict: each rank finds exactly its own keys
+    tree = await aiockpt.read(path)
+    return _differences(_per_rank_state(rank), target) + _differences(_per_rank_state(rank), tree)
+
+
+async def test_per_rank_state_comes_back_to_each_rank(tmp_path: Path) -> None:
+    """Values that differ per rank (an RNG state, a position, keys naming the rank, a shape per rank)
+    used to be saved as rank 0's, silently, or not at all (keys rank 0 lacked): each rank loaded rank 0's
+    RNG state, and rank 1 could not load its dataloader state."""
+    from aiockpt._format import RanksNode
+    from aiockpt._load import read_manifest
+
+    path = tmp_path / "ckpt"
+    assert run_world(_save_and_load_per_rank, 3, tmp_path, str(path), timeout=90) == [[], [], []]
+    manifest = read_manifest(path)
+    assert manifest.format_version == 3
+    tree = dict(zip(manifest.tree.keys, manifest.tree.values, strict=True))
+    assert {k for k, v in tree.items() if isinstance(v, RanksNode)} == {"rng", "pos", "buf"}
+    dl = tree["dl"]
+    assert dl.keys == ("dp_rank_0", "dp_rank_1", "dp_rank_2")  # type: ignore[union-attr]
+    assert [n.ranks for n in dl.values] == [(0,), (1,), (2,)]  # type: ignore[union-attr]
+    # Shared tensors are written once; each rank wrote its own RNG state and buffer, in its own file.
+    entries: dict[str, list[str]] = {}
+    for t in manifest.tensors:
+        entries.setdefault("/".join(map(str, t.path)), []).extend(c.file for c in t.chunks)
+    assert entries == {
+        "model": [entries["model"][0]],
+        "big": [entries["big"][0]],
+        "rng": ["data-r00000.bin", "data-r00001.bin", "data-r00002.bin"],
+        "buf": ["data-r00000.bin", "data-r00001.bin", "data-r00002.bin"],
+    }
+    assert not (await aiockpt.verify(path)).problems
+    # Outside a job, a read is rank 0's; ``rank=`` picks another's.
+    assert _differences(_per_rank_state(0), await aiockpt.read(path)) == []
+    assert _differences(_per_rank_state(2), await aiockpt.read(path, rank=2)) == []
+
+
+async def _save_the_same_state(rank: int, world: int, path: str) -> None:
+    await aiockpt.save({"w": torch.ones(10), "n": 3, "small": torch.arange(5)}, path)
+
+
+def test_state_alike_on_every_rank_stays_in_format_2(tmp_path: Path) -> None:
+    # No per-rank state: no tree exchange, and a manifest older aiockpt releases read.
+    from aiockpt._load import read_manifest
+
+    path = tmp_path / "ckpt"
+    run_world(_save_the_same_state, 2, tmp_path, str(path), timeout=60)
+    assert read_manifest(path).format_version == 2
+
+
+async def _dtensor_under_per_rank_state(rank: int, world: int, path: str) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    try:
+        await aiockpt.save({"w": torch.ones(2), f"mine{rank}": {"dt": dt}}, path)
+    except aiockpt.StateError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_dtensor_under_per_rank_keys_is_refused_on_every_rank(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    results = run_world(_dtensor_under_per_rank_state, 2, tmp_path, str(path), timeout=60)
+    assert all("holds a DTensor at key 'mine0/dt'" in r for r in results), results
+    assert not path.exists()
+
+
+async def _fail_before_trees(rank: int, world: int, path: str) -> str:
+    import aiockpt._save._ranks as ranks
+
+    real = ranks.encode_rank_tree
+
+    def faulty(message: ranks.RankTree) -> bytes:
+        if rank == 1:
+            raise aiockpt.StorageError("injected: rank 1 failed before the trees exchange")
+        return real(message)
+
+    ranks.encode_rank_tree = faulty  # fault injection inside this rank's process only
+    try:
+        await aiockpt.save(
+            {"w": torch.ones(4), "rng": torch.full((3,), float(rank))}, path, collective_timeout=15
+        )
+    except aiockpt.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+def test_a_rank_failing_before_the_trees_exchange_aborts_every_rank(tmp_path: Path) -> None:
+    # Per-rank state adds an exchange; a rank failing there still takes part in it, so the others learn
+    # at once (no timeout) and nothing is published.
+    parent = tmp_path / "out"
+    results = run_world(_fail_before_trees, 2, tmp_path, str(parent / "ckpt"), timeout=60)
+    assert results[1].startswith("StorageError: injected")
+    assert results[0].startswith("DistributedError: the save was aborted in 'trees' (rank 1: StorageError")
+    _no_trace(parent)

@@ -50,6 +50,14 @@ async def test_golden_checkpoints_still_load(version: int) -> None:
     assert tree["tied"] is tree["model"]["weight"]  # type: ignore[index]
 
 
+async def test_the_format_3_golden_holds_the_state_of_each_rank() -> None:
+    # Rank 0's is golden_state() (read above); rank 1 saved other values, and a key rank 0 lacks.
+    expected = golden_state() | {"scalar": torch.tensor(8), "step": 43, "loader": {"position": 7}}
+    expected["optim"]["param_groups"][0]["betas"] = (0.9, 0.99)  # type: ignore[index]
+    assert ENVELOPE_DECODER.decode((GOLDEN / "v3" / MANIFEST_NAME).read_bytes()).format_version == 3
+    assert _same(await aiockpt.read(GOLDEN / "v3", rank=1), expected)
+
+
 def test_golden_of_the_current_version_exists() -> None:
     assert (GOLDEN / f"v{FORMAT_VERSION}" / MANIFEST_NAME).is_file(), "run tests/golden/make_golden.py"
 
@@ -103,7 +111,7 @@ async def test_data_is_raw_little_endian_at_aligned_offsets(tmp_path: Path) -> N
     path = tmp_path / "ckpt"
     await aiockpt.save({"small": small, "big": big, "small2": small + 1}, path)
     manifest = _manifest(path)
-    assert manifest.format_version == FORMAT_VERSION
+    assert manifest.format_version == 2  # (no per-rank state: see test_ranks.py for version 3)
     data = {f.name: (path / f.name).read_bytes() for f in manifest.files}
     expected = {"small": small, "big": big, "small2": small + 1}
     for entry in manifest.tensors:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from aiockpt import StateError
+from aiockpt._format import DictNode, ListNode, Node, RanksNode, TensorNode, ValueNode
 from aiockpt._save._global_plan import LARGE, PAGE, SMALL_ALIGN, global_plan
 from aiockpt._save._local_plan import LocalPlan, WriteItem
+from aiockpt._save._ranks import Signature, merge, reindex
 
 
 def item(
@@ -107,3 +109,74 @@ def test_a_tensor_rank_zero_lacks_is_refused_naming_it_and_the_rank() -> None:
     # The same tensors in another order are the same state.
     plan = global_plan([a, LocalPlan(rank=1, items=(item("x", 4),))])
     assert [t.path for t in plan.tensors] == [("x",)]
+
+
+def test_per_rank_tensors_are_each_their_ranks_own() -> None:
+    """Items the tree merge found per-rank are written by their rank, never deduplicated with another
+    rank's copy at the same key; rank 0's keep their index, the others' follow rank 0's."""
+    a = LocalPlan(rank=0, items=(item("w", 8), item("rng", 4)))
+    b = LocalPlan(rank=1, items=(item("w", 8), item("rng", 4), item("only1", 4)))
+    plan = global_plan([a, b], (frozenset({1}), frozenset({1, 2})))
+    assert [t.path for t in plan.tensors] == [("w",), ("rng",), ("rng",), ("only1",)]
+    assert plan.own == ((0, 1, 1), (1, 1, 2), (1, 2, 3))
+    writers = {w.tensor: r.rank for r in plan.ranks for w in r.writes}
+    assert writers[1] == 0
+    assert writers[2] == writers[3] == 1
+    assert len(plan.tensors[0].chunks) == 1  # the shared one, written once
+    # A per-rank tensor may differ in shape between ranks (a buffer of each rank's length).
+    b2 = LocalPlan(rank=1, items=(item("w", 8), item("rng", 16)))
+    plan = global_plan([a, b2], (frozenset({1}), frozenset({1})))
+    assert [t.shape for t in plan.tensors] == [(8,), (4,), (16,)]
+
+
+# --- The tree merge that finds per-rank state (``_save/_ranks.py``) ------------------------------------
+
+
+def _sig(crc: int = 1, shape: tuple[int, ...] = (4,), shard: bool = False) -> Signature:
+    return Signature(shard, "float32", shape, crc)
+
+
+def _d(**values: Node) -> DictNode:
+    return DictNode(keys=tuple(values), values=tuple(values.values()))
+
+
+def test_merge_keeps_what_ranks_share_and_splits_what_differs() -> None:
+    t = TensorNode
+    r0 = _d(w=t(index=0), rng=t(index=1), n=ValueNode(value=1), seq=ListNode(items=(ValueNode(value=1),)))
+    r1 = _d(w=t(index=0), rng=t(index=1), n=ValueNode(value=1.0), seq=ListNode(items=()), extra=t(index=2))
+    merged = merge([r0, r1], [[_sig(), _sig(crc=5)], [_sig(), _sig(crc=6), _sig()]])
+    values = dict(zip(merged.tree.keys, merged.tree.values, strict=True))
+    assert values["w"] == t(index=0)  # alike: shared
+    assert values["rng"] == RanksNode(ranks=(0, 1), items=(t(index=1), t(index=1)))  # contents differ
+    assert values["n"] == RanksNode(ranks=(0, 1), items=(ValueNode(value=1), ValueNode(value=1.0)))
+    assert isinstance(values["seq"], RanksNode)  # lengths differ
+    assert values["extra"] == RanksNode(ranks=(1,), items=(t(index=2),))  # only rank 1 holds it
+    assert merged.own == (frozenset({1}), frozenset({1, 2}))
+    renumbered = reindex(merged.tree, {(0, 1): 1, (1, 1): 3, (1, 2): 4})
+    values = dict(zip(renumbered.keys, renumbered.values, strict=True))
+    assert values["rng"] == RanksNode(ranks=(0, 1), items=(t(index=1), t(index=3)))
+    assert values["extra"] == RanksNode(ranks=(1,), items=(t(index=4),))
+
+
+def test_merge_of_alike_trees_is_rank_0s_tree() -> None:
+    tree = _d(a=_d(x=TensorNode(index=0)), b=TensorNode(index=1))
+    other = _d(a=_d(x=TensorNode(index=0)), b=TensorNode(index=1))
+    merged = merge([tree, other], [[_sig(), _sig(crc=-1, shape=(10**6,))]] * 2)
+    assert merged.tree is tree
+    assert merged.own == (frozenset(), frozenset())
+
+
+def test_merge_refuses_a_dtensor_under_per_rank_state() -> None:
+    r0 = _d(w=TensorNode(index=0))
+    r1 = _d(mine=_d(dt=TensorNode(index=0)))
+    with pytest.raises(StateError, match="rank 1 holds a DTensor at key 'mine/dt'") as info:
+        merge([r0, r1], [[_sig()], [_sig(shard=True)]])
+    assert info.value.key == "mine/dt"
+
+
+def test_merge_names_ranks_that_disagree_on_a_dtensor() -> None:
+    tree = _d(w=TensorNode(index=0))
+    with pytest.raises(
+        StateError, match=r"ranks 0 and 1 disagree on tensor 'w': a DTensor float32\[8\] vs a DT"
+    ):
+        merge([tree, tree], [[_sig(shard=True, shape=(8,))], [_sig(shard=True, shape=(9,))]])

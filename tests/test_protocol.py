@@ -39,3 +39,57 @@ async def test_an_exchange_that_meets_another_save_fails_on_every_rank(save: str
     assert info.value.ranks == (1,)
     assert exchanges.settled  # no further exchange of this save: it would meet the other save again
     await exchanges.abort("failed")  # a no-op now
+
+
+class _Peer:
+    """A world of two whose rank 1 sends ``digest`` in ``plan`` and succeeds (or fails, in ``fail_in``)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, digest: int, fail_in: str = "") -> None:
+        self.digest = digest
+        self.fail_in = fail_in
+        self.steps: list[str] = []
+
+    async def all_gather(self, payload: bytes, *, what: str) -> list[bytes]:
+        step = what.removeprefix("save/")
+        self.steps.append(step)
+        ok = step != self.fail_in
+        digest = self.digest if step == "plan" else 0
+        other = Status(ok=ok, error="" if ok else "boom", save="s", step=step, digest=digest)
+        return [payload, ENCODER.encode(other)]
+
+
+@pytest.mark.parametrize(("digest", "steps"), [(7, ["plan", "vote"]), (8, ["plan", "trees", "vote"])])
+async def test_trees_are_exchanged_only_where_digests_differ(digest: int, steps: list[str]) -> None:
+    peer = _Peer(digest)
+    exchanges = Exchanges(cast("World", peer), save="s")
+    await exchanges.exchange("plan", Status(ok=True, digest=7))
+    if exchanges.next_step == "trees":
+        await exchanges.exchange("trees", Status(ok=True))
+    assert exchanges.next_step == "vote"
+    await exchanges.exchange("vote", Status(ok=True))
+    assert peer.steps == steps
+
+
+@pytest.mark.parametrize(("digest", "steps"), [(7, ["plan", "vote", "outcome"]), (8, ["plan", "trees"])])
+async def test_a_rank_failing_after_plan_takes_part_in_what_remains(digest: int, steps: list[str]) -> None:
+    """After ``plan``, a failing rank goes through the exchanges its peers go through: ``trees`` where
+    digests differed (a failure there ends the save for everyone), else ``vote`` and ``outcome``."""
+    peer = _Peer(digest)
+    exchanges = Exchanges(cast("World", peer), save="s")
+    await exchanges.exchange("plan", Status(ok=True, digest=7))
+    await exchanges.abort("failed")
+    assert peer.steps == steps
+    assert exchanges.settled
+
+
+async def test_a_failure_in_trees_ends_the_protocol() -> None:
+    peer = _Peer(8, fail_in="trees")
+    exchanges = Exchanges(cast("World", peer), save="s")
+    await exchanges.exchange("plan", Status(ok=True, digest=7))
+    statuses = await exchanges.exchange("trees", Status(ok=True))
+    with pytest.raises(aiockpt.DistributedError, match="aborted in 'trees'"):
+        exchanges.check("trees", statuses)
+    await exchanges.abort("failed")  # nothing more to take part in
+    assert peer.steps == ["plan", "trees"]

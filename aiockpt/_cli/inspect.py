@@ -22,6 +22,7 @@ from .._format import (
     Manifest,
     Node,
     PickleNode,
+    RanksNode,
     TensorEntry,
     TensorNode,
     TupleNode,
@@ -46,32 +47,47 @@ SCHEMA = "aiockpt.inspect/1"
 _REPR_WIDTH = 60
 
 
-def _leaves(node: Node, path: KeyPath) -> Iterator[tuple[KeyPath, Node]]:
-    """Every leaf of the tree with its key path; empty containers count as leaves."""
+def _leaves(node: Node, path: KeyPath, rank: int | None = None) -> Iterator[tuple[KeyPath, Node, int | None]]:
+    """Every leaf of the tree with its key path and rank; empty containers count as leaves.
+
+    The rank is the one whose per-rank state holds the leaf, ``None`` for state every rank shares. Every
+    rank's per-rank state is listed, at the key path of its RanksNode.
+    """
     if isinstance(node, DictNode):
         if not node.keys:
-            yield path, node
+            yield path, node, rank
         for key, value in zip(node.keys, node.values, strict=True):
-            yield from _leaves(value, (*path, key))
+            yield from _leaves(value, (*path, key), rank)
     elif isinstance(node, (ListNode, TupleNode)):
         if not node.items:
-            yield path, node
+            yield path, node, rank
         for i, item in enumerate(node.items):
-            yield from _leaves(item, (*path, i))
+            yield from _leaves(item, (*path, i), rank)
+    elif isinstance(node, RanksNode):
+        for r, item in zip(node.ranks, node.items, strict=True):  # (an item stands at the node's key)
+            yield from _leaves(item, path, r)
     else:
-        yield path, node
+        yield path, node, rank
 
 
-def _statefuls(node: Node, path: KeyPath) -> Iterator[tuple[KeyPath, str]]:
-    """``(key path, class)`` of every Stateful whose ``state_dict()`` was saved."""
+def _statefuls(
+    node: Node, path: KeyPath, rank: int | None = None
+) -> Iterator[tuple[KeyPath, str, int | None]]:
+    """``(key path, class, rank)`` of every Stateful whose ``state_dict()`` was saved.
+
+    ``rank`` as in :func:`_leaves`.
+    """
     if isinstance(node, DictNode):
         if node.origin is not None:
-            yield path, node.origin
+            yield path, node.origin, rank
         for key, value in zip(node.keys, node.values, strict=True):
-            yield from _statefuls(value, (*path, key))
+            yield from _statefuls(value, (*path, key), rank)
     elif isinstance(node, (ListNode, TupleNode)):
         for i, item in enumerate(node.items):
-            yield from _statefuls(item, (*path, i))
+            yield from _statefuls(item, (*path, i), rank)
+    elif isinstance(node, RanksNode):
+        for r, item in zip(node.ranks, node.items, strict=True):
+            yield from _statefuls(item, path, r)
 
 
 class ChunkDoc(TypedDict):
@@ -85,10 +101,15 @@ class ChunkDoc(TypedDict):
 
 
 class TensorDoc(TypedDict):
-    """A tensor (``aliases``: the other key paths of a tied tensor)."""
+    """A tensor (``aliases``: the other key paths of a tied tensor).
+
+    ``rank``: the rank whose per-rank state it is; ``None`` for a tensor of the state every rank shares
+    (or of several ranks' per-rank state).
+    """
 
     key: str
     path: list[str | int]
+    rank: int | None
     dtype: str
     shape: list[int]
     nbytes: int
@@ -99,10 +120,14 @@ class TensorDoc(TypedDict):
 
 
 class ValueDoc(TypedDict):
-    """A leaf that is not a tensor. ``value`` is null for bytes and pickled objects (see ``nbytes``)."""
+    """A leaf that is not a tensor.
+
+    ``value`` is null for bytes and pickled objects (see ``nbytes``); ``rank`` as in :class:`TensorDoc`.
+    """
 
     key: str
     path: list[str | int]
+    rank: int | None
     type: str
     value: object
     nbytes: int | None
@@ -110,10 +135,11 @@ class ValueDoc(TypedDict):
 
 
 class StatefulDoc(TypedDict):
-    """An object saved through its ``state_dict()``; ``type`` is its class."""
+    """An object saved through its ``state_dict()``; ``type`` is its class, ``rank`` as in TensorDoc."""
 
     key: str
     path: list[str | int]
+    rank: int | None
     type: str
 
 
@@ -146,9 +172,11 @@ class InspectDoc(TypedDict):
     statefuls: list[StatefulDoc]
 
 
-def _value(path: KeyPath, node: Node) -> ValueDoc:
+def _value(path: KeyPath, node: Node, rank: int | None) -> ValueDoc:
     """The JSON form of a leaf that is not a tensor."""
-    doc = ValueDoc(key=render(path), path=list(path), type="", value=None, nbytes=None, pickled=False)
+    doc = ValueDoc(
+        key=render(path), path=list(path), rank=rank, type="", value=None, nbytes=None, pickled=False
+    )
     if isinstance(node, ValueNode):
         doc["type"] = type(node.value).__name__ if node.value is not None else "None"
         doc["value"] = jsonable(node.value)
@@ -172,11 +200,14 @@ def _tensor_bytes(entry: TensorEntry) -> int:
     return math.prod(entry.shape) * itemsize
 
 
-def _tensor(entry: TensorEntry, replicated: bool | None, aliases: list[KeyPath]) -> TensorDoc:
+def _tensor(
+    entry: TensorEntry, rank: int | None, replicated: bool | None, aliases: list[KeyPath]
+) -> TensorDoc:
     """The JSON form of a tensor entry."""
     return TensorDoc(
         key=render(entry.path),
         path=list(entry.path),
+        rank=rank,
         dtype=entry.dtype,
         shape=list(entry.shape),
         nbytes=_tensor_bytes(entry),
@@ -222,21 +253,31 @@ def describe(
         holders: :func:`part_holders` of the checkpoint.
     """
 
-    def replicated(entry: TensorEntry) -> bool | None:
-        if manifest.world_size == 1:
+    def replicated(entry: TensorEntry, rank: int | None) -> bool | None:
+        if manifest.world_size == 1 or rank is not None:  # (one rank's per-rank state: its alone)
             return False
         return None if holders is None else holders.get(entry.path, 1) > 1
 
+    # Per tensor entry: the key paths that refer to it, and the ranks whose state does (``None``: the
+    # state every rank shares). An entry of one rank's per-rank state is listed as that rank's.
     paths: dict[int, list[KeyPath]] = {}
+    ranks: dict[int, set[int | None]] = {}
     values = []
-    for path, node in _leaves(manifest.tree, ()):
+    for path, node, rank in _leaves(manifest.tree, ()):
         if isinstance(node, TensorNode):
             paths.setdefault(node.index, []).append(path)
+            ranks.setdefault(node.index, set()).add(rank)
         else:
-            values.append(_value(path, node))
+            values.append(_value(path, node, rank))
+
+    def rank_of(i: int) -> int | None:
+        held = ranks.get(i, set())
+        return next(iter(held)) if len(held) == 1 else None
+
+    owners = [rank_of(i) for i in range(len(manifest.tensors))]
     tensors = [
-        _tensor(entry, replicated(entry), [p for p in paths.get(i, []) if p != entry.path])
-        for i, entry in enumerate(manifest.tensors)
+        _tensor(entry, owner, replicated(entry, owner), [p for p in paths.get(i, []) if p != entry.path])
+        for i, (entry, owner) in enumerate(zip(manifest.tensors, owners, strict=True))
     ]
     return InspectDoc(
         schema=SCHEMA,
@@ -256,7 +297,8 @@ def describe(
         tensors=tensors,
         values=values,
         statefuls=[
-            StatefulDoc(key=render(p), path=list(p), type=t) for p, t in _statefuls(manifest.tree, ())
+            StatefulDoc(key=render(p), path=list(p), rank=r, type=t)
+            for p, t, r in _statefuls(manifest.tree, ())
         ],
     )
 
@@ -267,6 +309,11 @@ def _shape(shape: list[int]) -> str:
 
 def _short(text: str) -> str:
     return text if len(text) <= _REPR_WIDTH else text[: _REPR_WIDTH - 3] + "..."
+
+
+def _keyed(key: str, rank: int | None) -> str:
+    """A key as the text output shows it: marked with its rank where it is one rank's per-rank state."""
+    return key if rank is None else f"{key} (rank {rank})"
 
 
 def _render(doc: InspectDoc) -> None:
@@ -295,7 +342,7 @@ def _render(doc: InspectDoc) -> None:
 
     if tensors:
         table = Table(box=box.SIMPLE, title="tensors", title_justify="left")
-        key_column(table, (t["key"] for t in tensors))
+        key_column(table, (_keyed(t["key"], t["rank"]) for t in tensors))
         table.add_column("dtype")
         table.add_column("shape")
         table.add_column("bytes", justify="right")
@@ -304,7 +351,7 @@ def _render(doc: InspectDoc) -> None:
         table.add_column("replicated")
         for t in tensors:
             table.add_row(
-                Text(t["key"] + "".join(f"\n= {a}" for a in t["aliases"])),
+                Text(_keyed(t["key"], t["rank"]) + "".join(f"\n= {a}" for a in t["aliases"])),
                 t["dtype"],
                 _shape(t["shape"]),
                 human_bytes(t["nbytes"]),
@@ -316,7 +363,7 @@ def _render(doc: InspectDoc) -> None:
 
     if doc["values"]:
         vt = Table(box=box.SIMPLE, title="values", title_justify="left")
-        key_column(vt, (v["key"] for v in doc["values"]))
+        key_column(vt, (_keyed(v["key"], v["rank"]) for v in doc["values"]))
         vt.add_column("type")
         vt.add_column("value", overflow="fold")
         for v in doc["values"]:
@@ -326,15 +373,15 @@ def _render(doc: InspectDoc) -> None:
                 shown = v["value"]
             else:
                 shown = _short(repr(v["value"]))
-            vt.add_row(Text(v["key"]), Text(v["type"]), Text(shown))
+            vt.add_row(Text(_keyed(v["key"], v["rank"])), Text(v["type"]), Text(shown))
         out.print(vt)
 
     if doc["statefuls"]:
         st = Table(box=box.SIMPLE, title="objects saved through state_dict()", title_justify="left")
-        key_column(st, (s["key"] for s in doc["statefuls"]))
+        key_column(st, (_keyed(s["key"], s["rank"]) for s in doc["statefuls"]))
         st.add_column("type", overflow="fold")
         for s in doc["statefuls"]:
-            st.add_row(Text(s["key"]), Text(s["type"]))
+            st.add_row(Text(_keyed(s["key"], s["rank"])), Text(s["type"]))
         out.print(st)
 
 

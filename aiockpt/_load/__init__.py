@@ -13,11 +13,12 @@ from functools import partial
 from typing import cast
 
 import anyio
+import msgspec
 import torch
 
 from .._cuda import noting
 from .._errors import FormatError, StateError, StateMismatchError, StateMismatchWarning
-from .._format import Key, Manifest
+from .._format import RANKS_VERSION, Key, Manifest
 from .._options import IOConfig
 from .._storage import Location, S3Path
 from .._threads import release, responsive, run_sync
@@ -25,6 +26,7 @@ from .._tree import render
 from ._manifest import is_checkpoint, published_parts, read_manifest
 from ._mapped import Mapper
 from ._match import LoadPlan, match
+from ._ranks import project
 from ._read import cached_pages, read_into
 
 __all__ = [
@@ -44,27 +46,49 @@ _Cached = dict[str, bytes | None] | None
 
 
 async def _manifest(
-    path: Location, io: IOConfig, limiter: anyio.CapacityLimiter | None
-) -> tuple[Manifest, _Cached]:
-    """The manifest, and what of the data files was cached before the load began.
+    path: Location, io: IOConfig, limiter: anyio.CapacityLimiter | None, rank: int
+) -> tuple[Manifest, _Cached, set[int]]:
+    """The manifest as ``rank`` saved it, what of its data files was cached, other ranks' tensors.
 
-    The second is ``None`` where the read will not evict what it read (``drop_behind`` off,
-    ``direct_reads=True``, object storage).
+    The manifest's tree is projected for ``rank`` (:func:`_projected`). The second value says what of
+    the data files was cached before the load began: ``None`` where the read will not evict what it
+    read (``drop_behind`` off, ``direct_reads=True``, object storage). The third holds the indices of
+    the tensors that other ranks' items of per-rank state refer to, which a fresh read need not make.
+
+    Raises:
+        StateError: ``rank`` lacks an item of a list or tuple that is per-rank state (see ``project``).
     """
+    others: set[int] = set()
     if isinstance(path, S3Path):
         from .._storage._s3 import read_manifest as read_object_manifest
 
-        return await read_object_manifest(path), None
+        manifest = await read_object_manifest(path)
+        if manifest.format_version >= RANKS_VERSION:  # (a walk of the tree: not on the event loop)
+            manifest = await run_sync(partial(_projected, manifest, rank, others), limiter)
+        return manifest, None, others
 
     def read() -> tuple[Manifest, _Cached]:
         # (A collective-free checkpoint whose parts hold keys rank 0's lacks is refused: see merge_parts.)
-        manifest = read_manifest(path, reachable=True)
+        manifest = _projected(read_manifest(path, reachable=True), rank, others)
         cached: _Cached = None
         if io.direct_reads is not True and io.drops_behind:
             cached = cached_pages(path, manifest)
         return manifest, cached
 
-    return await run_sync(read, limiter)
+    return (*await run_sync(read, limiter), others)
+
+
+def _projected(manifest: Manifest, rank: int, others: set[int]) -> Manifest:
+    """``manifest`` with its tree as ``rank`` saved it (see :func:`~._ranks.project`).
+
+    ``others`` receives the indices of the tensors of other ranks' per-rank state. Only a manifest of
+    format version 3 or later can hold per-rank state (``check_manifest``): the others, nearly all, are
+    returned as they are, without a walk of their tree.
+    """
+    if manifest.format_version < RANKS_VERSION:
+        return manifest
+    tree = project(manifest.tree, rank, others=others)
+    return manifest if tree is manifest.tree else msgspec.structs.replace(manifest, tree=tree)
 
 
 async def _fill(
@@ -155,11 +179,15 @@ async def run_load(
     strict: bool,
     allow_pickle: bool,
     io: IOConfig,
+    rank: int,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> None:
-    """Load the checkpoint at ``path`` into ``state`` in place (see :func:`aiockpt.load`)."""
+    """Load the checkpoint at ``path`` into ``state`` in place (see :func:`aiockpt.load`).
+
+    Per-rank state is ``rank``'s: a key that only other ranks saved is missing from the checkpoint.
+    """
     with responsive(io), noting():
-        await _load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, limiter=limiter)
+        await _load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank, limiter=limiter)
 
 
 async def _load(
@@ -169,9 +197,10 @@ async def _load(
     strict: bool,
     allow_pickle: bool,
     io: IOConfig,
+    rank: int,
     limiter: anyio.CapacityLimiter | None,
 ) -> None:
-    manifest, cached = await _manifest(path, io, limiter)
+    manifest, cached, _ = await _manifest(path, io, limiter, rank)
     data = path
     plan = await run_sync(partial(match, manifest, state, allow_pickle=allow_pickle, data=data), limiter)
     settle(plan, path, strict=strict)
@@ -184,20 +213,30 @@ async def _load(
 
 
 async def run_read(
-    path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None = None
+    path: Location,
+    *,
+    allow_pickle: bool,
+    io: IOConfig,
+    rank: int,
+    limiter: anyio.CapacityLimiter | None = None,
 ) -> dict[Key, object]:
-    """Read the checkpoint at ``path`` into a fresh tree of CPU tensors (see :func:`aiockpt.read`)."""
+    """Read the checkpoint at ``path`` into a fresh tree of CPU tensors (see :func:`aiockpt.read`).
+
+    Per-rank state is ``rank``'s: a key that only other ranks saved is absent.
+    """
     with responsive(io):
-        return await _read_fresh(path, allow_pickle=allow_pickle, io=io, limiter=limiter)
+        return await _read_fresh(path, allow_pickle=allow_pickle, io=io, rank=rank, limiter=limiter)
 
 
 async def _read_fresh(
-    path: Location, *, allow_pickle: bool, io: IOConfig, limiter: anyio.CapacityLimiter | None
+    path: Location, *, allow_pickle: bool, io: IOConfig, rank: int, limiter: anyio.CapacityLimiter | None
 ) -> dict[Key, object]:
-    manifest, cached = await _manifest(path, io, limiter)
+    manifest, cached, others = await _manifest(path, io, limiter, rank)
     mapper = None if isinstance(path, S3Path) or io.direct_reads is True or not io.map_reads else Mapper(path)
     data = path
-    read_plan = partial(match, manifest, None, allow_pickle=allow_pickle, mapper=mapper, data=data)
+    read_plan = partial(
+        match, manifest, None, allow_pickle=allow_pickle, mapper=mapper, data=data, unwanted=others
+    )
     plan = await run_sync(read_plan, limiter)
     readable(plan, path)
     await _fill(path, manifest, cached, plan, io, limiter)

@@ -21,6 +21,7 @@ from .._format import (
     MANIFEST_NAME,
     MAX_READ_DEPTH,
     PART_RE,
+    RANKS_VERSION,
     Chunk,
     DictNode,
     Key,
@@ -28,6 +29,7 @@ from .._format import (
     ListNode,
     Manifest,
     Node,
+    RanksNode,
     TensorEntry,
     TensorNode,
     TupleNode,
@@ -126,8 +128,14 @@ def check_manifest(manifest: Manifest, file: str) -> None:
     boxes, one checksum per block, and data file names that stay inside the checkpoint. Dtypes this
     torch does not know are left to the readers, which report them by key.
 
+    Per-rank state (a :class:`RanksNode`) is refused where no save writes it, so that projecting the
+    tree for a rank (``_load._ranks.project``) can trust it too: in a manifest of a format version before
+    3, in a part of a collective-free checkpoint, inside another rank's item, or with ranks that are
+    none, out of increasing order, outside ``0 .. world_size - 1`` or not one per item; and as an item of
+    a list or tuple, unless it lists every rank (a rank cannot lack an item).
+
     Raises:
-        FormatError: Names ``file`` and, for a tensor entry, its key.
+        FormatError: Names ``file`` and, for a tensor entry or per-rank state, its key.
     """
 
     def bad(what: str) -> FormatError:
@@ -146,7 +154,7 @@ def check_manifest(manifest: Manifest, file: str) -> None:
     for info in manifest.files:
         if not _plain_name(info.name) or not 0 <= info.nbytes <= MAX_BYTES:
             raise bad(f"data file {info.name!r} of {info.nbytes} bytes")
-    _check_tree(manifest.tree, len(manifest.tensors), bad)
+    _check_tree(manifest, bad)
     found = _Entries(manifest.checksum_block).first_problem(manifest.tensors)
     if found is not None:
         entry, problem = found
@@ -158,38 +166,107 @@ def _plain_name(name: str) -> bool:
     return name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
-def _check_tree(tree: DictNode, count: int, bad: Callable[[str], FormatError]) -> None:
-    """Refuse a tree that indexes past the ``count`` tensor entries or nests deeper than MAX_READ_DEPTH.
+def _check_tree(manifest: Manifest, bad: Callable[[str], FormatError]) -> None:
+    """Refuse a tree that indexes past the tensors, nests too deep, or holds per-rank state no save writes.
 
-    A walk with a stack of its own: a format-1 tree is decoded nested as it is stored, and this is the
-    first code to meet its depth. (Format 2's decoder refuses too deep a tree while it rebuilds it.)
+    Too deep: more than MAX_READ_DEPTH levels. Per-rank state: see :func:`check_manifest`. A walk with
+    a stack of its own: a format-1 tree is decoded nested as it is stored, and this is the first code
+    to meet its depth. (Format 2's decoder refuses too deep a tree while it rebuilds it.) A
+    RanksNode counts as a level of nesting, and its items are checked as any container's children.
     """
-    stack: list[tuple[Node, KeyPath]] = [(tree, ())]
+    count = len(manifest.tensors)
+    world = manifest.world_size
+    # Why this manifest cannot hold per-rank state at all, or ``None``.
+    no_ranks = (
+        f"in a manifest of format version {manifest.format_version} (per-rank state is version "
+        f"{RANKS_VERSION}'s)"
+        if manifest.format_version < RANKS_VERSION
+        else "in a part of a collective-free checkpoint (each part is one rank's state)"
+        if manifest.part_rank is not None
+        else None
+    )
+    # Per container: the node, its key path, how many containers hold it, the rank whose own state (an
+    # item of a RanksNode) holds it or ``None``, and whether it is an item of a list or tuple.
+    stack: list[tuple[Node, KeyPath, int, int | None, bool]] = [(manifest.tree, (), 0, None, False)]
     while stack:
-        node, path = stack.pop()
+        node, path, depth, rank, in_sequence = stack.pop()
+        if isinstance(node, RanksNode):
+            problem = _ranks_problem(node, world, rank, in_sequence, no_ranks)
+            if problem is not None:
+                raise bad(f"the per-rank state at key {render(path)!r} {problem}")
+            if depth >= MAX_READ_DEPTH:
+                raise bad(f"containers nest more than {MAX_READ_DEPTH} levels deep, at key {render(path)!r}")
+            # A rank's item stands at the RanksNode's own key path.
+            for r, item in zip(node.ranks, node.items, strict=True):
+                if type(item) is TensorNode:
+                    if not 0 <= item.index < count:
+                        raise bad(
+                            f"key {render(path)!r} of rank {r} refers to tensor {item.index} of {count}"
+                        )
+                elif type(item) in _CONTAINERS:
+                    stack.append((item, path, depth + 1, r, False))
+            continue
         if isinstance(node, DictNode):
             if len(node.keys) != len(node.values):
                 raise bad(
                     f"the dict at key {render(path)!r} has {len(node.keys)} keys, {len(node.values)} values"
                 )
             children: Iterable[tuple[Key, Node]] = zip(node.keys, node.values, strict=True)
+            sequence = False
         elif isinstance(node, (ListNode, TupleNode)):
             children = enumerate(node.items)
+            sequence = True
         else:
             if isinstance(node, TensorNode) and not 0 <= node.index < count:
                 raise bad(f"key {render(path)!r} refers to tensor {node.index} of {count}")
             continue
-        if len(path) >= MAX_READ_DEPTH:
+        if depth >= MAX_READ_DEPTH:
             raise bad(f"containers nest more than {MAX_READ_DEPTH} levels deep, at key {render(path)!r}")
         for key, child in children:
             if type(child) is TensorNode:  # (the bulk of a tree: no stack entry for it)
                 if not 0 <= child.index < count:
-                    raise bad(f"key {render((*path, key))!r} refers to tensor {child.index} of {count}")
+                    of = "" if rank is None else f" of rank {rank}"
+                    raise bad(f"key {render((*path, key))!r}{of} refers to tensor {child.index} of {count}")
             elif type(child) in _CONTAINERS:
-                stack.append((child, (*path, key)))
+                stack.append((child, (*path, key), depth + 1, rank, sequence))
 
 
-_CONTAINERS = frozenset({DictNode, ListNode, TupleNode})
+def _ranks_problem(
+    node: RanksNode, world: int, rank: int | None, in_sequence: bool, no_ranks: str | None
+) -> str | None:
+    """What no save writes about ``node``, or ``None``.
+
+    ``rank``: the rank whose own state holds ``node``, if any; ``in_sequence``: whether ``node`` is an
+    item of a list or tuple; ``no_ranks``: why the manifest cannot hold per-rank state, if it cannot.
+    """
+    ranks = node.ranks
+    if no_ranks is not None:
+        return no_ranks
+    if rank is not None:
+        return f"lies inside the state of rank {rank}, itself per-rank"
+    if not ranks:
+        return "lists no rank"
+    if len(ranks) != len(node.items):
+        return f"lists {len(ranks)} ranks and {len(node.items)} items"
+    if any(a >= b for a, b in itertools.pairwise(ranks)):
+        return f"lists ranks {_some(ranks)} out of increasing order"
+    if ranks[0] < 0 or ranks[-1] >= world:  # (strictly increasing: the ends bound the others)
+        return f"lists ranks {_some(ranks)} outside the world of {world}"
+    if in_sequence and len(ranks) != world:  # (strictly increasing in [0, world): all of them or not)
+        return (
+            f"is an item of a list or tuple that ranks {missing_ranks(set(ranks), world)} (of {world}) lack "
+            "(an item cannot be absent)"
+        )
+    return None
+
+
+def _some(ranks: tuple[int, ...]) -> str:
+    """``ranks`` as ``[0, 3, 2]``, or its first MAX_NAMED_RANKS as ``[0, 3, 2, and 97 more]``."""
+    more = len(ranks) - MAX_NAMED_RANKS
+    return f"[{', '.join(map(str, ranks[:MAX_NAMED_RANKS]))}{f', and {more} more' if more > 0 else ''}]"
+
+
+_CONTAINERS = frozenset({DictNode, ListNode, TupleNode, RanksNode})
 
 
 class _Entries:

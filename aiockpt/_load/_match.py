@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Collection, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -153,6 +153,7 @@ class _Matcher:
                 )
                 return tmpl
             return node.value
+        assert isinstance(node, PickleNode), "per-rank state is projected before the match (_ranks.project)"
         return self.unpickle(node, path)
 
     def stateful(self, node: Node, obj: object, path: KeyPath) -> object:
@@ -191,14 +192,17 @@ class _Matcher:
                 key: KeyPath = (*path, "state", cast("Key", pid))
                 self.params[key] = param
 
-    def preallocate(self) -> None:
+    def preallocate(self, unwanted: Collection[int]) -> None:
         """Destinations for every small tensor of the checkpoint, made in bulk (``aiockpt.read``).
 
         The walk then finds them as it finds a tensor tied to one met before. Tensors of a dtype this
-        torch lacks are left to :meth:`fresh`, which reports them.
+        torch lacks are left to :meth:`fresh`, which reports them, and so are those in ``unwanted``
+        (other ranks' per-rank state, which the tree read may still refer to through a tie).
         """
         wanted: dict[tuple[torch.dtype, tuple[int, ...]], list[int]] = {}
         for i, entry in enumerate(self.m.tensors):
+            if unwanted and i in unwanted:
+                continue
             try:
                 dtype = _dtype(entry.dtype)
             except ValueError:
@@ -596,12 +600,15 @@ def match(
     allow_pickle: bool,
     mapper: Mapper | None = None,
     data: Location | None = None,
+    unwanted: Collection[int] = (),
 ) -> LoadPlan:
     """Match ``manifest`` against ``state`` (``None``: build everything fresh, as :func:`aiockpt.read`).
 
     With ``mapper``, fresh tensors that can be are views of their data file's mapping (see ``_mapped``).
     With ``data``, the directory (or object prefix) of the data files, a large fresh tensor is made only
-    where they hold it (see ``_DataFiles``).
+    where they hold it (see ``_DataFiles``). A fresh read makes the manifest's small tensors up front,
+    all but those in ``unwanted`` (other ranks' per-rank state; one that the tree refers to after all,
+    through a tie, is made when the walk meets it).
 
     Raises:
         StateError: A pickled object is met without ``allow_pickle``.
@@ -613,7 +620,7 @@ def match(
     tmpl = MISSING if state is None else cast("Mapping[object, object]", state)
     with paused():
         if state is None:
-            m.preallocate()
+            m.preallocate(unwanted)
         result = m.mapping(manifest.tree, tmpl, (), create=False)
     if state is None:
         m.plan.result = result

@@ -31,6 +31,7 @@ from .._options import IOConfig
 from .._storage import Location, S3Path
 from .._threads import acquire_sync, dismantle, release, responsive, run_sync
 from .._world import World
+from . import _ranks
 from ._finish import build_manifest, check_metadata, commit, encode_manifest
 from ._global_plan import GlobalPlan, RankPlan, global_plan
 from ._local_plan import LocalPlan, WriteItem, local_plan
@@ -61,34 +62,65 @@ class SaveRequest:
     settle: Callable[[], Awaitable[None]] | None = None
 
 
-def _plan_local(rank: int, staged: Staged) -> bytes:
+@dataclass
+class _Local:
+    """This rank's local plan, encoded, and (in a world of several) what the ``trees`` exchange needs."""
+
+    plan: bytes
+    digest: int = 0
+    message: _ranks.RankTree | None = None
+
+
+def _plan_local(rank: int, staged: Staged, world_size: int) -> _Local:
     with paused():
         local = local_plan(rank, staged.flat)
         encoded = sliced_encode(local, "items", blobs=True)
-        box: list[object] = [local]  # one item per tensor: freed in slices, not in one stall
-        del local
+        out = _Local(encoded)
+        sigs: list[_ranks.Signature] = []
+        if world_size > 1:
+            sigs = _ranks.signatures(local.items, staged.flat.boxes, staged.sources)
+            out = _Local(encoded, *_ranks.digest(staged.flat.tree, sigs))
+        box: list[object] = [local, sigs]  # one item per tensor: freed in slices, not in one stall
+        del local, sigs
         dismantle(box)
-    return encoded
+    return out
 
 
-def _plan_global(gathered: list[memoryview]) -> GlobalPlan:
+def _merge_trees(gathered: list[memoryview]) -> _ranks.Merged:
+    with paused():
+        trees = [_ranks.decode_rank_tree(b) for b in gathered]
+        return _ranks.merge([t for t, _ in trees], [s for _, s in trees])
+
+
+def _plan_global(gathered: list[memoryview], merged: _ranks.Merged | None) -> GlobalPlan:
     with paused():
         plans = [_LOCAL_PLAN.decode(b) for b in gathered]
-        plan = global_plan(plans)
+        plan = global_plan(plans, merged.own if merged is not None else ())
         box: list[object] = [plans]
         del plans
         dismantle(box)
     return plan
 
 
+def _tree(flat_tree: DictNode, merged: _ranks.Merged | None, plan: GlobalPlan) -> DictNode:
+    """The manifest's tree: this (rank 0's) tree, or where ranks' trees differ, the merged one."""
+    if merged is None:
+        return flat_tree
+    return _ranks.reindex(merged.tree, {(r, j): t for r, j, t in plan.own})
+
+
 def _manifest(
-    plan: GlobalPlan, results: list[memoryview], tree: DictNode, req: SaveRequest
+    plan: GlobalPlan,
+    results: list[memoryview],
+    tree: DictNode,
+    merged: _ranks.Merged | None,
+    req: SaveRequest,
 ) -> tuple[Manifest, list[bytes], int, int]:
     with paused():
         manifest = build_manifest(
             plan,
             [_WRITE_RESULT.decode(b) for b in results],
-            tree=tree,
+            tree=_tree(tree, merged, plan),
             step=req.step,
             block=req.io.checksum_block,
             user_metadata=req.user_metadata,
@@ -308,16 +340,25 @@ async def _save(
         metrics.nbytes, metrics.staged_bytes = staged.nbytes, staged.copied
         report(SaveState.STAGED)
         token = await target.prepare() if coordinator else ""
-        local = await run_sync(partial(_plan_local, world.rank, staged), limiter)
+        local = await run_sync(partial(_plan_local, world.rank, staged, world.size), limiter)
         metrics.phase("local_plan")
 
         # --- global plan: every rank computes the same pure plan from everyone's local plans
         if coordinator and req.settle is not None:
             await req.settle()
-        mine = Status(ok=True, payload=memoryview(local), tmp=token)
+        mine = Status(ok=True, payload=memoryview(local.plan), tmp=token, digest=local.digest)
         statuses = await exchanges.exchange("plan", mine)
         exchanges.check("plan", statuses)
-        plan = await run_sync(partial(_plan_global, [s.payload for s in statuses]), limiter)
+        merged = None
+        if exchanges.next_step == "trees":  # the ranks' trees differ: per-rank state (see _ranks)
+            assert local.message is not None  # (digests are exchanged in worlds of several only)
+            payload = await run_sync(partial(_ranks.encode_rank_tree, local.message), limiter)
+            trees = await exchanges.exchange("trees", Status(ok=True, payload=memoryview(payload)))
+            exchanges.check("trees", trees)
+            merged = await run_sync(partial(_merge_trees, [s.payload for s in trees]), limiter)
+            del trees
+        del local
+        plan = await run_sync(partial(_plan_global, [s.payload for s in statuses], merged), limiter)
         metrics.phase("global_plan")
 
         # --- write: this rank's chunks
@@ -337,7 +378,8 @@ async def _save(
             try:
                 exchanges.check("vote", statuses)
                 manifest, encoded, crc, nbytes = await run_sync(
-                    partial(_manifest, plan, [s.payload for s in statuses], staged.flat.tree, req), limiter
+                    partial(_manifest, plan, [s.payload for s in statuses], staged.flat.tree, merged, req),
+                    limiter,
                 )
                 await target.commit(encoded)
                 summary = (manifest, crc, nbytes)

@@ -18,12 +18,11 @@ import anyio
 import crc32c
 import msgspec
 
-from .._body import body_parts
+from .._body import body_parts, body_version
 from .._codec import bin_header
 from .._errors import CheckpointExistsError, StateError, StorageError
 from .._format import (
     ENCODER,
-    FORMAT_VERSION,
     MAGIC,
     MANIFEST_NAME,
     DictNode,
@@ -116,14 +115,16 @@ def encode_manifest(manifest: Manifest) -> tuple[list[bytes], int]:
     """Encode ``manifest`` inside its checksummed :class:`Envelope`; return the pieces and the body CRC.
 
     The pieces joined are the file's bytes (:func:`~.._codec.encode_parts`: the body's megabytes are
-    not copied into one buffer).
+    not copied into one buffer). The envelope and the body say one format version, 3 where the tree
+    holds per-rank state, else 2 (:func:`~.._body.body_version`).
     """
-    body = body_parts(manifest)
+    version = body_version(manifest)
+    body = body_parts(manifest, version=version)
     crc = 0
     for part in body:
         crc = crc32c.crc32c(part, crc)
     empty = ENCODER.encode(
-        Envelope(magic=MAGIC, format_version=FORMAT_VERSION, body_crc32c=crc, body=memoryview(b""))
+        Envelope(magic=MAGIC, format_version=version, body_crc32c=crc, body=memoryview(b""))
     )
     # The body is the envelope's last field: its empty ``bin`` ends the encoding, and the body's own
     # header and bytes take its place.

@@ -49,10 +49,14 @@ class RankPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 
 class GlobalPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """The coordinator's view: every rank's plan and the manifest tensor table (checksums empty)."""
+    """The coordinator's view: every rank's plan and the manifest tensor table (checksums empty).
+
+    ``own``: for each tensor a rank holds as per-rank state, ``(rank, its item, the manifest's tensor)``.
+    """
 
     ranks: tuple[RankPlan, ...]
     tensors: tuple[TensorEntry, ...]
+    own: tuple[tuple[int, int, int], ...] = ()
 
 
 def _append(writes: list[tuple[int, int]], j: int, t: int) -> bool:
@@ -62,11 +66,13 @@ def _append(writes: list[tuple[int, int]], j: int, t: int) -> bool:
     return late
 
 
-def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
+def global_plan(plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = ()) -> GlobalPlan:
     """Assign every chunk held by any rank to exactly one writer and a file offset.
 
     Tensor ``i`` of the manifest is item ``i`` of rank 0 (the coordinator's tree refers to tensors by that
-    index); every rank holds the same tensors (SPMD), if not all of them in the same order.
+    index); every rank holds the same tensors (SPMD), if not all of them in the same order, except its
+    per-rank state: ``own[r]`` (empty: none), the items of rank ``r`` that are its own (see ``_ranks``),
+    each a tensor of its own in the manifest that ``r`` writes, after rank 0's.
 
     Raises:
         StateError: Ranks disagree on a tensor's dtype or global shape, naming the key and the ranks, or
@@ -83,21 +89,35 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     # (tensor, offsets, sizes) -> (rank, item) pairs holding that replicated chunk
     holders: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
     base = plans[0].items if plans else ()
+    owned: list[tuple[int, int, int]] = []
+    no_own: frozenset[int] = frozenset()
+    own0 = own[0] if own else no_own
     for plan in plans:
         rank = plan.rank
         mine = per_rank[rank]
+        theirs = own[rank] if own else no_own
         for j, item in enumerate(plan.items):
+            if j in theirs:  # per-rank state: a tensor of its own (rank 0's: t == j), this rank's alone
+                t = len(first)
+                first.append(item)
+                first_rank.append(rank)
+                owned.append((rank, j, t))
+                mine.append((j, t))
+                load[rank] += item.nbytes
+                continue
             # SPMD ranks list the same tensors in the same order: comparing with rank 0's item at the same
             # position avoids hashing every key path of every rank.
-            known = j if rank and j < len(base) and base[j].path == item.path else tensor_index.get(item.path)
+            if rank and j < len(base) and base[j].path == item.path and j not in own0:
+                known: int | None = j
+            else:
+                known = tensor_index.get(item.path)
             if known is None:
                 if rank:
-                    # The manifest's tree is rank 0's: nothing in it would lead to this tensor, whose
-                    # bytes would be written and never found again.
+                    # Where it is not per-rank state (``own``), the manifest's tree is rank 0's: nothing in
+                    # it would lead to this tensor, whose bytes would be written and never found again.
+                    # (The save merges differing trees first, so only a caller without ``own`` gets here.)
                     raise StateError(
-                        f"rank {rank} holds tensor {render(item.path)!r}, which rank 0's state lacks: every "
-                        "rank saves the same keys (per-rank values belong in a DTensor sharded over the "
-                        "ranks, see docs/distributed.md)",
+                        f"rank {rank} holds tensor {render(item.path)!r}, which rank 0's state lacks",
                         key=render(item.path),
                     )
                 t = tensor_index[item.path] = len(first)
@@ -167,4 +187,4 @@ def global_plan(plans: Sequence[LocalPlan]) -> GlobalPlan:
     box: list[object] = [tensor_index, per_rank, holders, shared, chunks]
     del tensor_index, per_rank, holders, shared, chunks
     dismantle(box)
-    return GlobalPlan(ranks=tuple(rank_plans), tensors=tensors)
+    return GlobalPlan(ranks=tuple(rank_plans), tensors=tensors, own=tuple(owned))

@@ -1,12 +1,16 @@
-"""The collective protocol of one save: three all-gathers that every rank takes part in.
+"""The collective protocol of one save: three or four all-gathers that every rank takes part in.
 
-    plan     after staging     every rank's local plan (rank 0's also names the temp directory)
+    plan     after staging     every rank's local plan (rank 0's also names the temp directory) and a
+                               digest of its state's structure and small values
+    trees    only when digests differ: every rank's tree and tensor signatures (per-rank state)
     vote     after writing     every rank's checksums, or why it failed
     outcome  after the commit  rank 0 says whether the checkpoint was published
 
-A rank that fails or is cancelled still takes part in every remaining exchange, with a failed status
-(shielded from cancellation), so no rank waits for it until a timeout and every rank learns the save was
-aborted. A failure reported in ``plan`` ends the protocol there for everyone.
+Whether ``trees`` takes place follows from the statuses of ``plan``, which every rank sees alike, so every
+rank skips it or takes part in it. A rank that fails or is cancelled still takes part in every remaining
+exchange, with a failed status (shielded from cancellation), so no rank waits for it until a timeout and
+every rank learns the save was aborted. A failure reported in ``plan`` or ``trees`` (nothing is written
+yet) ends the protocol there for everyone.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from .._format import ENCODER
 from .._threads import run_sync
 from .._world import World
 
-STEPS = ("plan", "vote", "outcome")
+STEPS = ("plan", "trees", "vote", "outcome")
+# A failure reported in one of these ends the protocol: no rank has written anything yet.
+_ENDING = frozenset({"plan", "trees"})
 
 
 class Status(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -37,6 +43,9 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # different ones (saves started in different orders on different ranks) fail instead of mixing them.
     save: str = ""
     step: str = ""
+    # ``plan`` only: a digest of this rank's tree and tensor signatures (see ``_save._ranks``), or 0 in a
+    # world of one. Equal on every rank (SPMD state), ``trees`` is skipped.
+    digest: int = 0
 
 
 _STATUS = msgspec.msgpack.Decoder(Status)
@@ -60,6 +69,17 @@ class Exchanges:
         self.done = 0  # exchanges begun
         self.settled = False  # every rank knows the outcome; no exchange remains
         self._pending: asyncio.Task[list[bytes]] | None = None
+        self._pending_step = ""
+
+    @property
+    def next_step(self) -> str:
+        """The exchange this rank takes part in next (``""`` once every one took place)."""
+        return STEPS[self.done] if self.done < len(STEPS) else ""
+
+    def _after(self, step: str, statuses: list[Status]) -> None:
+        """Skip ``trees`` where ``plan`` showed every rank's digest alike (every rank decides the same)."""
+        if step == "plan" and all(s.ok for s in statuses) and len({s.digest for s in statuses}) == 1:
+            self.done += 1
 
     async def exchange(self, step: str, status: Status) -> list[Status]:
         """Run the next exchange; return every rank's status.
@@ -76,10 +96,13 @@ class Exchanges:
         else:
             message = ENCODER.encode(status)
         self.done += 1  # counted before awaiting: once begun, an exchange is in flight on every rank
+        self._pending_step = step
         self._pending = asyncio.ensure_future(self.world.all_gather(message, what=f"save/{step}"))
         raw = await asyncio.shield(self._pending)
+        self._pending = None
         statuses = [_STATUS.decode(r) for r in raw]
         self._check_in_step(step, statuses)
+        self._after(step, statuses)
         return statuses
 
     def _check_in_step(self, step: str, statuses: list[Status]) -> None:
@@ -107,7 +130,12 @@ class Exchanges:
         if self._pending is None:
             return False
         raw = await self._pending
-        return self.done == len(STEPS) or (self.done == 1 and any(not _STATUS.decode(r).ok for r in raw))
+        self._pending = None
+        statuses = [_STATUS.decode(r) for r in raw]
+        if self._pending_step in _ENDING and not all(s.ok for s in statuses):
+            return True
+        self._after(self._pending_step, statuses)
+        return self.done == len(STEPS)
 
     def check(self, step: str, statuses: list[Status]) -> None:
         """Raise if any rank failed in ``step``; after ``plan`` that also settles the protocol.
@@ -118,7 +146,7 @@ class Exchanges:
         failed = {r: s.error for r, s in enumerate(statuses) if not s.ok}
         if not failed:
             return
-        if step == "plan":
+        if step in _ENDING:
             self.settled = True
         reasons = "; ".join(f"rank {r}: {e}" for r, e in sorted(failed.items()))
         raise DistributedError(f"the save was aborted in {step!r} ({reasons})", ranks=sorted(failed))
@@ -131,13 +159,11 @@ class Exchanges:
         try:
             if await self._finish_pending():
                 return
-            if self.done == 0:
-                await self.exchange("plan", failed)
-                return  # everyone saw the failure in `plan` and stops there
-            if self.done == 1:
-                await self.exchange("vote", failed)
-            if self.done == 2:
-                await self.exchange("outcome", failed)
+            while self.done < len(STEPS):
+                step = STEPS[self.done]
+                await self.exchange(step, failed)
+                if step in _ENDING:
+                    return  # everyone saw the failure there and stops
         except CheckpointError:
             pass  # the group itself broke; the peers get their own DistributedError
         finally:
