@@ -145,6 +145,7 @@ async def load(
     allow_pickle: bool = False,
     io: IOConfig | None = None,
     s3: S3Options | None = None,
+    rank: int | None = None,
 ) -> MutableMapping[str, object]:
     """Load the checkpoint at ``path`` into ``state``, in place.
 
@@ -163,11 +164,12 @@ async def load(
         allow_pickle: Unpickle stored objects (only for checkpoints you trust).
         io: I/O tuning.
         s3: Object-store settings for an ``s3://`` path (default: from the AWS environment variables).
-
-    Per-rank state (values that the ranks of a distributed save held differently under one key, such
-    as each rank's RNG state) is loaded as this process saved it: this process's rank in
-    ``torch.distributed``'s default group when it is initialised, else rank 0's. A key that only other
-    ranks saved is missing from the checkpoint for this rank (a strict load reports it).
+        rank: Whose per-rank state to load (values that the ranks of a distributed save held differently
+            under one key, such as each rank's RNG state): a key that only other ranks saved is missing
+            from the checkpoint for this rank (a strict load reports it). ``None``: this process's rank
+            in ``torch.distributed``'s default group when it is initialised, else 0. Pass
+            ``dist.get_rank(group)`` for a checkpoint saved with ``process_group=group`` (its ranks are
+            the group's). Foreign checkpoints have no per-rank state.
 
     Returns:
         ``state``.
@@ -179,16 +181,16 @@ async def load(
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
         StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a smaller
             world); names the key.
+        CheckpointError: ``rank`` is not an int of at least 0.
     """
+    chosen = this_rank() if rank is None else checked_rank(rank)
     target = resolve(path, s3)
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
     if kind != "aiockpt":
         assert isinstance(target, Path)
         await load_foreign(state, target, kind, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
         return state
-    await run_load(
-        state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig(), rank=this_rank()
-    )
+    await run_load(state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen)
     return state
 
 

@@ -408,11 +408,12 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     io: IOConfig | None = None,
+    rank: int | None = None,
 ) -> MutableMapping[str, object]:
-    """Load ``path`` into ``state`` in place; see :func:`aiockpt.load`."""
+    """Load ``path`` into ``state`` in place (``rank``'s per-rank state); see :func:`aiockpt.load`."""
 
     async def run() -> MutableMapping[str, object]:
-        return await _api.load(state, path, strict=strict, allow_pickle=allow_pickle, io=io)
+        return await _api.load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank)
 
     return _run(run, "load")
 

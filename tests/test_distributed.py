@@ -549,3 +549,18 @@ def test_a_rank_failing_before_the_trees_exchange_aborts_every_rank(tmp_path: Pa
     assert results[1].startswith("StorageError: injected")
     assert results[0].startswith("DistributedError: the save was aborted in 'trees' (rank 1: StorageError")
     _no_trace(parent)
+
+
+async def _collective_free_per_rank(rank: int, world: int, path: str) -> list[str]:
+    await aiockpt.save(_per_rank_state(rank), path, use_collectives=False)
+    dist.barrier()  # (every part published)
+    target = _template(rank)
+    await aiockpt.load(target, path)
+    return _differences(_per_rank_state(rank), target)
+
+
+def test_collective_free_per_rank_state_comes_back_to_each_rank(tmp_path: Path) -> None:
+    # Each part holds its rank's state: the merge was rank 0's tree (rank 1's RNG state read as rank
+    # 0's, its own dataloader key refused).
+    path = tmp_path / "ckpt"
+    assert run_world(_collective_free_per_rank, 2, tmp_path, str(path), timeout=60) == [[], []]

@@ -180,3 +180,10 @@ def test_merge_names_ranks_that_disagree_on_a_dtensor() -> None:
         StateError, match=r"ranks 0 and 1 disagree on tensor 'w': a DTensor float32\[8\] vs a DT"
     ):
         merge([tree, tree], [[_sig(shard=True, shape=(8,))], [_sig(shard=True, shape=(9,))]])
+
+
+def test_merge_takes_pieces_of_one_dtensor_for_one_tensor() -> None:
+    # A collective-free part may hold a DTensor whole (one box) where another holds a shard of it.
+    tree = _d(w=TensorNode(index=0))
+    merged = merge([tree, tree], [[_sig(crc=3, shape=(8,))], [_sig(shard=True, shape=(8,))]])
+    assert merged.tree is tree

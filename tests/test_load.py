@@ -652,25 +652,25 @@ async def test_collective_free_step_saved_twice_completely_reads_the_first_compl
     assert torch.equal(tensor_at(await aiockpt.read(step), "w"), torch.full((4,), 1.0))
 
 
-async def test_collective_free_part_with_keys_rank_0_lacks_is_refused_by_name(tmp_path: Path) -> None:
-    # Per-rank keys, as docs/distributed.md advises for per-rank state: the merge is rank 0's tree, so
-    # rank 1's key was silently unreachable (a load then said it was missing from the checkpoint).
+async def test_collective_free_parts_with_per_rank_keys_give_each_rank_its_own(tmp_path: Path) -> None:
+    # Keys that name the rank: the merge was rank 0's tree, so rank 1's key was unreachable (refused by
+    # name since, silently missing before that).
     step = tmp_path / "step"
     g = torch.Generator().manual_seed(0)
     rng = [torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g) for _ in range(2)]
     parts = [
         await _save_part(step, r, 2, {"w": torch.ones(3), "rng": {f"rank{r}": rng[r]}}) for r in range(2)
     ]
-    message = r"part rank-00001-of-00002 holds a tensor at key 'rng/rank1' that rank 0's part lacks"
-    with pytest.raises(aiockpt.FormatError, match=message) as info:
-        await aiockpt.read(step)
-    assert not isinstance(info.value, aiockpt.CorruptionError)
+    assert torch.equal(tensor_at(await aiockpt.read(step), "rng", "rank0"), rng[0])
+    assert torch.equal(tensor_at(await aiockpt.read(step, rank=1), "rng", "rank1"), rng[1])
     target: dict[str, object] = {"w": torch.zeros(3), "rng": {"rank1": torch.zeros(16, dtype=torch.uint8)}}
-    with pytest.raises(aiockpt.FormatError, match=message):
-        await aiockpt.load(target, step)
+    await aiockpt.load(target, step, rank=1)
+    assert torch.equal(tensor_at(target, "rng", "rank1"), rng[1])
+    with pytest.raises(aiockpt.StateMismatchError, match="rng/rank1: missing key"):
+        await aiockpt.load(target, step)  # (rank 0 outside a job: rank 1's key is not rank 0's)
     # Each part still reads on its own, by its directory.
     assert torch.equal(tensor_at(await aiockpt.read(parts[1]), "rng", "rank1"), rng[1])
-    # Verification checks every part's bytes, reachable by a merge or not.
+    # Verification checks every part's bytes.
     report = await aiockpt.verify(step)
     assert report.ok
     assert report.num_tensors == 3
@@ -678,6 +678,20 @@ async def test_collective_free_part_with_keys_rank_0_lacks_is_refused_by_name(tm
     flip_byte(parts[1] / rank1[0], rank1[1])
     report = await aiockpt.verify(step)
     assert [(p.key, p.file) for p in report.problems] == [("rng/rank1", str(parts[1] / rank1[0]))]
+
+
+async def test_collective_free_parts_with_per_rank_values_give_each_rank_its_own(tmp_path: Path) -> None:
+    # Each part's RNG state under one key, and a position: rank 0's were read for every rank.
+    step = tmp_path / "step"
+    states = []
+    for r in range(2):
+        torch.manual_seed(r)
+        states.append({"w": torch.ones(3), "rng": torch.get_rng_state(), "pos": 100 * r})
+        await _save_part(step, r, 2, states[-1])
+    for r in range(2):
+        tree = await aiockpt.read(step, rank=r)
+        assert torch.equal(tensor_at(tree, "rng"), states[r]["rng"])  # type: ignore[arg-type]
+        assert tree["pos"] == 100 * r
 
 
 def read_manifest_of(path: Path, *key: str) -> tuple[str, int]:
@@ -690,22 +704,48 @@ def read_manifest_of(path: Path, *key: str) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize(
-    ("rank1", "message"),
+    "rank1",
     [
-        ({"x": 1, "more": {"y": 2}}, r"a dict at key 'more'"),
-        ({"x": torch.ones(2)}, r"a tensor at key 'x'"),
-        ({"x": 1, "l": [1, 2]}, r"a value at key 'l/1'"),
-        ({"l": [1], "x": 5}, None),  # the same keys in another order, another plain value: rank 0's
+        {"x": 1, "more": {"y": 2}},
+        {"x": torch.ones(2)},
+        {"x": 1, "l": [1, 2]},
+        {"l": [1], "x": 5},
     ],
 )
-async def test_collective_free_merge_refuses_what_rank_0s_tree_cannot_reach(
-    tmp_path: Path, rank1: dict[str, object], message: str | None
+async def test_collective_free_parts_that_differ_are_each_their_ranks(
+    tmp_path: Path, rank1: dict[str, object]
 ) -> None:
+    # Keys rank 0 lacks, another kind of value, a longer list, another plain value: the merge was rank 0's
+    # tree, refusing what it could not reach and reading rank 0's values for every rank.
     step = tmp_path / "step"
     await _save_part(step, 0, 2, {"x": 1, "l": [1]})
     await _save_part(step, 1, 2, rank1)
-    if message is None:
-        assert await aiockpt.read(step) == {"x": 1, "l": [1]}
-        return
-    with pytest.raises(aiockpt.FormatError, match=rf"part rank-00001-of-00002 holds {message}"):
+    assert await aiockpt.read(step) == {"x": 1, "l": [1]}
+    got = await aiockpt.read(step, rank=1)
+    assert got.keys() == rank1.keys()
+    for key, value in rank1.items():
+        same = torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value  # type: ignore[arg-type]
+        assert same, key
+
+
+async def test_collective_free_parts_refuse_a_dtensor_shard_under_keys_that_differ(tmp_path: Path) -> None:
+    from aiockpt._format import Manifest, TensorEntry
+    from aiockpt._load._manifest import decode_manifest
+    from aiockpt._save._finish import encode_manifest
+
+    step = tmp_path / "step"
+    await _save_part(step, 0, 2, {"x": 1})
+    part = await _save_part(step, 1, 2, {"x": 1, "mine": torch.ones(4)})
+
+    def as_shard(m: Manifest) -> Manifest:  # rank 1's tensor made half of a DTensor of 8 elements
+        (t,) = m.tensors
+        (c,) = t.chunks
+        chunk = msgspec.structs.replace(c, sizes=(4,), offsets=(4,))
+        entry = TensorEntry(path=t.path, dtype=t.dtype, shape=(8,), chunks=(chunk,))
+        return msgspec.structs.replace(m, tensors=(entry,))
+
+    file = part / MANIFEST_NAME
+    file.write_bytes(b"".join(encode_manifest(as_shard(decode_manifest(file.read_bytes(), str(file))))[0]))
+    with pytest.raises(aiockpt.FormatError, match=r"rank 1 holds a DTensor at key 'mine'") as info:
         await aiockpt.read(step)
+    assert info.value.file == str(step)

@@ -431,6 +431,13 @@ async def test_load_fills_this_ranks_state_and_misses_keys_only_others_saved(ckp
     with pytest.raises(aiockpt.StateMismatchError, match="n: missing key"):
         await aiockpt.load(target, path)
     assert torch.equal(target["a"], torch.zeros(4))  # type: ignore[arg-type]
+    # ``rank=`` loads another rank's (a save over a process group numbers its ranks in that group).
+    target = {"a": torch.zeros(4), "n": 0}
+    await asyncio.to_thread(aiockpt.sync.load, target, path, rank=1)
+    assert torch.equal(target["a"], T1)  # type: ignore[arg-type]
+    assert target["n"] == 7
+    with pytest.raises(aiockpt.CheckpointError, match="rank must be an int of at least 0, not -1"):
+        await aiockpt.load(target, path, rank=-1)
 
 
 class _Rank1(LocalWorld):

@@ -68,8 +68,7 @@ async def _manifest(
         return manifest, None, others
 
     def read() -> tuple[Manifest, _Cached]:
-        # (A collective-free checkpoint whose parts hold keys rank 0's lacks is refused: see merge_parts.)
-        manifest = _projected(read_manifest(path, reachable=True), rank, others)
+        manifest = _projected(read_manifest(path), rank, others)
         cached: _Cached = None
         if io.direct_reads is not True and io.drops_behind:
             cached = cached_pages(path, manifest)

@@ -13,7 +13,7 @@ import crc32c
 import msgspec
 
 from .._body import decode_body
-from .._errors import CheckpointNotFoundError, CorruptionError, FormatError
+from .._errors import CheckpointNotFoundError, CorruptionError, FormatError, StateError
 from .._format import (
     ENVELOPE_DECODER,
     FORMAT_VERSION,
@@ -36,6 +36,7 @@ from .._format import (
     part_dir_name,
 )
 from .._gc import paused
+from .._merge import Signature, merge, reindex
 from .._tree import UNSUPPORTED_DTYPES, dtype_from_name, render
 
 
@@ -487,13 +488,13 @@ def is_checkpoint(path: Path) -> bool:
     return parts is not None and len(parts[1]) == parts[0]
 
 
-def read_manifest(path: Path, *, every_copy: bool = False, reachable: bool = False) -> Manifest:
+def read_manifest(path: Path, *, every_copy: bool = False) -> Manifest:
     """Read, verify and decode the manifest of the checkpoint at ``path``. Blocking.
 
     A collective-free checkpoint (one published part per rank) is read as the merge of the parts of one
     world size (see ``_chosen``); with ``every_copy`` (verification), a chunk that several parts hold is
-    listed once per part. With ``reachable`` (a load or a read, which walk the merged tree), parts are
-    refused whose entries the merged tree cannot reach (see :func:`merge_parts`).
+    listed once per part. Where the parts' states differ, the merge keeps each rank's own (see
+    :func:`merge_parts`).
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no manifest, or parts are missing (no
@@ -510,7 +511,7 @@ def read_manifest(path: Path, *, every_copy: bool = False, reachable: bool = Fal
             if len(ranks) != world:
                 raise CheckpointNotFoundError(_incomplete(path, sets, world))
             parts = [(d.name, _read_part(d)) for d in _in_rank_order(ranks)]
-            return merge_parts(parts, every_copy=every_copy, reachable=reachable, where=path)
+            return merge_parts(parts, every_copy=every_copy, where=path)
     return _read_one(path)
 
 
@@ -575,37 +576,33 @@ def merge_parts(
     parts: list[tuple[str, Manifest]],
     *,
     every_copy: bool = False,
-    reachable: bool = False,
     where: Path | None = None,
 ) -> Manifest:
     """One manifest for the parts of a collective-free checkpoint (``(part dir, manifest)`` by rank).
 
     ``where``, the checkpoint's directory, is named in errors with the part's.
 
-    The tree is rank 0's; tensors are merged by key path, a chunk held by several ranks (a replicated
-    tensor, written by each) is read from the first. With ``every_copy``, every part's copy of such a
-    chunk is kept (``aiockpt.verify`` checks each: a load may read any of them, such as a part read on
-    its own). File names are made relative to the checkpoint.
-
-    A part may hold keys that rank 0's lacks (per-rank state, a pipeline stage's own modules): the merged
-    tree, rank 0's, cannot reach them, although the merged tensors list theirs. With ``reachable`` (a
-    load or a read, which would silently miss them) such parts are refused; each part stays readable on
-    its own, by its directory. Without it (verification, which checks every part's bytes, reachable or
-    not, and ``aiockpt inspect``, which lists what is stored) they are merged as they are.
+    Each part holds its rank's whole tree. Where the parts' trees agree (SPMD state) the merged tree is
+    rank 0's; where they differ (structure, plain values, a plain tensor's dtype, shape or contents, by
+    its chunk's checksums) it holds each rank's own value, as a collective save's manifest does
+    (:class:`~.._format.RanksNode`, see ``_merge``), and the tensors under such a key are each rank's
+    own entries, read from its part. Shared tensors are merged by key path, a chunk held by several
+    ranks (a replicated tensor, written by each) read from the first part. With ``every_copy``, every
+    part's copy of such a chunk is kept (``aiockpt.verify`` checks each: a load may read any of them,
+    such as a part read on its own). File names are made relative to the checkpoint.
 
     The parts must be of one save: one step and one checksum block (the merged manifest has one of
     each, by which every chunk is checked), each tensor entry found in its part's tree at its key path
     (the merge goes by key path, rank 0's tree by index). Of the merged boxes of a tensor, two that
     differ must not overlap, except that a box holding the whole tensor makes every other redundant: a
     load counts the elements its chunks hold to decide that they cover its target, which overlapping
-    boxes would fool (some elements read twice, others never). Copies of one box are not compared: the
-    first is read, as documented (a per-rank value saved under one key is rank 0's in the merge).
+    boxes would fool (some elements read twice, others never).
 
     Raises:
-        FormatError: Two parts disagree on the step, the checksum block, or a tensor's dtype or global
-            shape; a part's entry is not at its key path in its tree; boxes of a tensor overlap; or (with
-            ``reachable``) a part's tree holds a key that rank 0's lacks, or a tensor where rank 0's holds
-            none (names the key and the parts).
+        FormatError: Two parts disagree on the step, the checksum block, or a shared tensor's dtype or
+            global shape; a part's entry is not at its key path in its tree; boxes of a tensor overlap;
+            or a part holds a DTensor shard under a key whose state differs between the parts (names
+            the key and the parts).
     """
 
     def at(name: str) -> str:  # (a part as errors name it)
@@ -621,14 +618,23 @@ def merge_parts(
                 file=f"{at(name)}/{MANIFEST_NAME}",
             )
         _check_paths(at(name), m)
-    if reachable:
-        _check_trees(parts)
-    entries: dict[KeyPath, _Merged] = {}
+    own, tree = _per_rank(parts, at)
+    # Rank 0's tree refers to its tensors by index: they come first, in its order (its paths are its
+    # own tree's, one per entry: see _check_paths), its own per-rank ones included; the other parts'
+    # own follow, and ``index`` maps each (part, entry) to its place.
+    entries: dict[KeyPath | int, _Merged] = {}
+    index: dict[tuple[int, int], int] = {}
     files = []
-    for name, m in parts:
+    for r, (name, m) in enumerate(parts):
         files += [msgspec.structs.replace(f, name=f"{name}/{f.name}") for f in m.files]
-        for t in m.tensors:
+        mine = own[r]
+        for j, t in enumerate(m.tensors):
             chunks = [msgspec.structs.replace(c, file=f"{name}/{c.file}") for c in t.chunks]
+            if j in mine:  # this rank's own: an entry of its own, never merged with another part's
+                index[(r, j)] = len(entries)
+                alone = entries[len(entries)] = _Merged(t, at(name))
+                alone.add(at(name), chunks, every_copy=every_copy)
+                continue
             merged = entries.get(t.path)
             if merged is None:
                 entries[t.path] = merged = _Merged(t, at(name))
@@ -640,14 +646,58 @@ def merge_parts(
                     file=f"{at(name)}/{MANIFEST_NAME}",
                 )
             merged.add(at(name), chunks, every_copy=every_copy)
-    # Rank 0's tree refers to its tensors by index: they come first, in its order (its paths are its
-    # own tree's, one per entry: see _check_paths).
     tensors = tuple(
         msgspec.structs.replace(merged.entry, chunks=merged.result(every_copy)) for merged in entries.values()
     )
-    return msgspec.structs.replace(
+    merged_manifest = msgspec.structs.replace(
         base, tensors=tensors, files=tuple(files), world_size=len(parts), part_rank=None
     )
+    if tree is None:
+        return merged_manifest
+    # (Format 3 in memory: the readers project per-rank state for their rank, see _load._ranks.)
+    return msgspec.structs.replace(
+        merged_manifest, tree=reindex(tree, index), format_version=max(base.format_version, RANKS_VERSION)
+    )
+
+
+def _per_rank(
+    parts: list[tuple[str, Manifest]], at: Callable[[str], str]
+) -> tuple[list[frozenset[int]], DictNode | None]:
+    """Each part's own entries (per-rank state), and the merged tree, ``None`` where the parts agree.
+
+    Compared as a distributed save compares its ranks (``_merge``), a plain tensor by its checksums.
+
+    Raises:
+        FormatError: A part holds a DTensor shard under state that differs between the parts.
+    """
+    trees = [m.tree for _, m in parts]
+    sigs = [_signatures(m) for _, m in parts]
+    if all(t == trees[0] for t in trees[1:]) and all(s == sigs[0] for s in sigs[1:]):
+        return [frozenset()] * len(parts), None  # (the common case: the same state everywhere)
+    try:
+        merged = merge(trees, sigs)
+    except StateError as exc:  # (it names the rank, whose part is rank-<rank>-of-<world>)
+        place = at("")
+        raise FormatError(
+            f"cannot merge the parts of a collective-free checkpoint{' at ' + place if place else ''}: {exc}",
+            file=place,
+        ) from exc
+    return list(merged.own), merged.tree
+
+
+def _signatures(m: Manifest) -> list[Signature]:
+    """What each tensor entry of a part is compared by: a whole tensor in one chunk by its checksums."""
+    out = []
+    for t in m.tensors:
+        chunks = t.chunks
+        if not chunks:
+            out.append(Signature(False, t.dtype, t.shape, 0))
+        elif len(chunks) == 1 and chunks[0].sizes == t.shape and not any(chunks[0].offsets):
+            # (One process compares: the tuple's hash stands for its checksums, and is never -1.)
+            out.append(Signature(False, t.dtype, t.shape, hash(chunks[0].checksums)))
+        else:
+            out.append(Signature(True, t.dtype, t.shape, -1))
+    return out
 
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -743,61 +793,3 @@ def _check_paths(name: str, m: Manifest) -> None:
                 "where its tree holds " + ("no tensor" if t.path not in found else f"entry {found[t.path]}"),
                 file=f"{name}/{MANIFEST_NAME}",
             )
-
-
-def _check_trees(parts: list[tuple[str, Manifest]]) -> None:
-    """Refuse parts whose trees hold what rank 0's (``parts[0]``) cannot reach (see :func:`merge_parts`).
-
-    Raises:
-        FormatError: Names the first such key and its part.
-    """
-    base = parts[0][1].tree
-    for name, m in parts[1:]:
-        found = _unreachable(base, m.tree, ())
-        if found is not None:
-            key, what = found
-            raise FormatError(
-                f"cannot merge the parts of a collective-free checkpoint: part {name} holds {what} at key "
-                f"{render(key)!r} that rank 0's part lacks, and the merge (rank 0's tree) could not reach "
-                "it; read that part on its own, by its directory",
-                file=name,
-            )
-
-
-def _unreachable(base: Node, node: Node, path: KeyPath) -> tuple[KeyPath, str] | None:
-    """The first key path of ``node``'s tree that ``base``'s cannot reach, and what ``node`` holds there.
-
-    A key reaches a part's value when ``base`` has it too; a tensor of the part, only when ``base`` holds
-    a tensor there (merged tensors are found by key path). Values may differ (per-rank plain values are
-    rank 0's in the merge, as documented).
-    """
-    if node == base:  # the common case (SPMD: the same tree everywhere): one comparison, in C
-        return None
-    if isinstance(node, DictNode):
-        if not isinstance(base, DictNode):
-            return ((*path, node.keys[0]), _what(node.values[0])) if node.keys else None
-        # Keys in the same order (the common case) pair up without a lookup.
-        have = None if node.keys == base.keys else dict(zip(base.keys, base.values, strict=True))
-        for i, (k, child) in enumerate(zip(node.keys, node.values, strict=True)):
-            other = base.values[i] if have is None else have.get(k)
-            found = ((*path, k), _what(child)) if other is None else _unreachable(other, child, (*path, k))
-            if found is not None:
-                return found
-        return None
-    if isinstance(node, (ListNode, TupleNode)):
-        items = base.items if isinstance(base, (ListNode, TupleNode)) else ()
-        if len(node.items) > len(items):
-            return (*path, len(items)), _what(node.items[len(items)])
-        for i, (other, child) in enumerate(zip(items, node.items, strict=False)):
-            found = _unreachable(other, child, (*path, i))
-            if found is not None:
-                return found
-        return None
-    if isinstance(node, TensorNode) and not isinstance(base, TensorNode):
-        return path, "a tensor"
-    return None
-
-
-def _what(node: Node) -> str:
-    names = {DictNode: "a dict", ListNode: "a list", TupleNode: "a tuple", TensorNode: "a tensor"}
-    return names.get(type(node), "a value")
