@@ -22,8 +22,9 @@ class Signature(msgspec.Struct, frozen=True, gc=False, array_like=True):
     """What two ranks' tensors at one key are compared by: alike, the tensor is shared.
 
     ``shard``: a DTensor's local shard (``shape`` is then the global shape, ``crc`` -1); ``crc``: a
-    CRC32C of a plain tensor's contents, or -1 where they are not compared (alike, then, if dtype and
-    shape are).
+    digest of a plain tensor's contents (at a save, the CRC32C of its bytes; in a collective-free
+    part, a hash of its chunk's checksums), or -1 where they are not compared (alike, then, if dtype
+    and shape are). A shard and a whole copy of one DTensor are alike where dtype and shape agree.
     """
 
     shard: bool

@@ -6,9 +6,9 @@ import pytest
 
 from aiockpt import StateError
 from aiockpt._format import DictNode, ListNode, Node, RanksNode, TensorNode, ValueNode
+from aiockpt._merge import Signature, merge, reindex
 from aiockpt._save._global_plan import LARGE, PAGE, SMALL_ALIGN, global_plan
 from aiockpt._save._local_plan import LocalPlan, WriteItem
-from aiockpt._save._ranks import Signature, merge, reindex
 
 
 def item(
@@ -129,7 +129,7 @@ def test_per_rank_tensors_are_each_their_ranks_own() -> None:
     assert [t.shape for t in plan.tensors] == [(8,), (4,), (16,)]
 
 
-# --- The tree merge that finds per-rank state (``_save/_ranks.py``) ------------------------------------
+# --- The tree merge that finds per-rank state (``_merge.py``) --------------------------------------------
 
 
 def _sig(crc: int = 1, shape: tuple[int, ...] = (4,), shard: bool = False) -> Signature:

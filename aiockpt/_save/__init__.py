@@ -27,6 +27,7 @@ from .._gc import paused
 from .._handle import Metadata, SaveMetrics, SaveState
 from .._load._manifest import decode_summary
 from .._memory import StagingPool
+from .._merge import Merged, Signature, merge, reindex
 from .._options import IOConfig
 from .._storage import Location, S3Path
 from .._threads import acquire_sync, dismantle, release, responsive, run_sync
@@ -76,7 +77,7 @@ def _plan_local(rank: int, staged: Staged, world_size: int) -> _Local:
         local = local_plan(rank, staged.flat)
         encoded = sliced_encode(local, "items", blobs=True)
         out = _Local(encoded)
-        sigs: list[_ranks.Signature] = []
+        sigs: list[Signature] = []
         if world_size > 1:
             sigs = _ranks.signatures(local.items, staged.flat.boxes, staged.sources)
             out = _Local(encoded, *_ranks.digest(staged.flat.tree, sigs))
@@ -86,13 +87,13 @@ def _plan_local(rank: int, staged: Staged, world_size: int) -> _Local:
     return out
 
 
-def _merge_trees(gathered: list[memoryview]) -> _ranks.Merged:
+def _merge_trees(gathered: list[memoryview]) -> Merged:
     with paused():
         trees = [_ranks.decode_rank_tree(b) for b in gathered]
-        return _ranks.merge([t for t, _ in trees], [s for _, s in trees])
+        return merge([t for t, _ in trees], [s for _, s in trees])
 
 
-def _plan_global(gathered: list[memoryview], merged: _ranks.Merged | None) -> GlobalPlan:
+def _plan_global(gathered: list[memoryview], merged: Merged | None) -> GlobalPlan:
     with paused():
         plans = [_LOCAL_PLAN.decode(b) for b in gathered]
         plan = global_plan(plans, merged.own if merged is not None else ())
@@ -102,18 +103,18 @@ def _plan_global(gathered: list[memoryview], merged: _ranks.Merged | None) -> Gl
     return plan
 
 
-def _tree(flat_tree: DictNode, merged: _ranks.Merged | None, plan: GlobalPlan) -> DictNode:
+def _tree(flat_tree: DictNode, merged: Merged | None, plan: GlobalPlan) -> DictNode:
     """The manifest's tree: this (rank 0's) tree, or where ranks' trees differ, the merged one."""
     if merged is None:
         return flat_tree
-    return _ranks.reindex(merged.tree, {(r, j): t for r, j, t in plan.own})
+    return reindex(merged.tree, {(r, j): t for r, j, t in plan.own})
 
 
 def _manifest(
     plan: GlobalPlan,
     results: list[memoryview],
     tree: DictNode,
-    merged: _ranks.Merged | None,
+    merged: Merged | None,
     req: SaveRequest,
 ) -> tuple[Manifest, list[bytes], int, int]:
     with paused():
