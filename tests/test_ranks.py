@@ -486,3 +486,24 @@ async def test_inspect_lists_the_state_of_every_rank(ckpt_path: Path) -> None:
     report = await aiockpt.verify(path)
     assert report.ok
     assert report.num_tensors == 2
+
+
+async def test_convert_takes_one_ranks_state_and_says_so(ckpt_path: Path, tmp_path: Path) -> None:
+    # A conversion reads one rank's state: it took rank 0's without a word.
+    path = await _checkpoint(ckpt_path)
+    rc, _, err = await asyncio.to_thread(
+        _run_cli, "convert", str(path), str(tmp_path / "r0.pt"), "--to", "torch"
+    )
+    assert rc == 0
+    assert "holds per-rank state: converting rank 0's (--rank picks another rank's)" in err
+    tree = torch.load(tmp_path / "r0.pt", weights_only=True)
+    assert torch.equal(tree["a"], T0)
+    assert "n" not in tree
+    args = ("convert", str(path), str(tmp_path / "r1.pt"), "--to", "torch", "--rank", "1", "--json")
+    rc, out, err = await asyncio.to_thread(_run_cli, *args)
+    assert rc == 0
+    assert json.loads(out)["rank"] == 1
+    assert err == ""
+    tree = torch.load(tmp_path / "r1.pt", weights_only=True)
+    assert torch.equal(tree["a"], T1)
+    assert tree["n"] == 7

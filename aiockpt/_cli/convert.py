@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import get_args
 
 import anyio
 import click
 
+from .._errors import CheckpointError
+from .._format import RANKS_VERSION
 from .._interop._convert import Target, convert
+from .._load import is_checkpoint, read_manifest
 from ._common import (
     human_bytes,
     json_option,
@@ -21,6 +25,17 @@ from ._common import (
 )
 
 SCHEMA = "aiockpt.convert/1"
+
+
+def _per_rank(source: Path) -> bool:
+    """Whether ``source`` is an aiockpt checkpoint holding per-rank state (a manifest of format 3)."""
+    if not is_checkpoint(source):
+        return False
+    try:
+        return read_manifest(source).format_version >= RANKS_VERSION
+    except CheckpointError:
+        return False  # (the conversion reports it)
+
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -71,6 +86,12 @@ def parse_size(ctx: click.Context | None, param: click.Parameter | None, value: 
     help="Read pickled objects in SRC and write them to DST. Only for checkpoints you trust: unpickling "
     "runs code.",
 )
+@click.option(
+    "--rank",
+    type=click.IntRange(min=0),
+    default=None,
+    help="For SRC saved by several ranks whose states differ (per-rank state): whose to convert (default 0).",
+)
 @no_progress_option
 @json_option
 def command(
@@ -81,6 +102,7 @@ def command(
     max_shard_size: int,
     drop_non_tensors: bool,
     allow_pickle: bool,
+    rank: int | None,
     no_progress: bool,
     as_json: bool,
 ) -> None:
@@ -89,11 +111,17 @@ def command(
     SRC is an aiockpt checkpoint (or a Checkpointer root: its newest step, or --step), a DCP directory,
     a safetensors file or Hugging Face directory, or a torch.save file. DST must not exist; it appears
     only once complete (written under a temp name, fsynced, renamed). safetensors holds tensors only:
-    other values are refused, with their keys listed, unless --drop-non-tensors.
+    other values are refused, with their keys listed, unless --drop-non-tensors. Of a checkpoint whose
+    ranks saved different states (per-rank state), one rank's is converted: --rank, by default 0.
     """
     source, note = resolve_checkpoint(src, step)
     if note is not None and not as_json:
         click.echo(f"converting {source.name}, {note}", err=True)
+    chosen = 0 if rank is None else rank
+    if rank is None and not as_json and _per_rank(source):
+        click.echo(
+            f"{source} holds per-rank state: converting rank 0's (--rank picks another rank's)", err=True
+        )
     total = 0
     with progress_bar(show_progress(no_progress) and not as_json, f"converting to {to}") as bar:
 
@@ -112,9 +140,11 @@ def command(
                 drop_non_tensors=drop_non_tensors,
                 max_shard_size=max_shard_size,
                 progress=progress,
+                rank=chosen,
             )
         )
     if as_json:
-        print_json({"schema": SCHEMA, "source": str(source), "path": str(written), "to": to, "nbytes": total})
+        doc = {"schema": SCHEMA, "source": str(source), "path": str(written), "to": to, "nbytes": total}
+        print_json(doc | {"rank": chosen})
     else:
         click.echo(f"wrote {written} ({to}, {human_bytes(total)} of tensors) from {source}")

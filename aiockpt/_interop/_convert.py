@@ -246,6 +246,7 @@ async def convert(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     progress: Progress | None = None,
     io: IOConfig | None = None,
+    rank: int | None = None,
 ) -> Path:
     """Convert the checkpoint ``src`` into a new checkpoint ``dst`` of format ``to``.
 
@@ -268,6 +269,9 @@ async def convert(
         progress: Called on the event loop thread with ``(bytes written, total bytes)`` of tensor data:
             at the start, as safetensors tensors are written (every 0.5 % or so), and at the end.
         io: I/O tuning for reading the source and writing an aiockpt checkpoint.
+        rank: Whose per-rank state to convert, for a source saved by several ranks whose states differ
+            (see :func:`aiockpt.read`, which reads it): ``None`` is this process's rank, 0 outside a
+            distributed job. The result holds that rank's state alone.
 
     Returns:
         The absolute path of the new checkpoint.
@@ -295,7 +299,9 @@ async def convert(
     # torch.save writes a tensor's whole storage, and DCP clones a tensor whose storage is larger than it:
     # for those, large tensors are read into storages of their own, not mapped from the data files.
     mapped = to in ("aiockpt", "safetensors")
-    tree = await read(src, allow_pickle=allow_pickle, io=io if mapped else replace(io, map_reads=False))
+    tree = await read(
+        src, allow_pickle=allow_pickle, io=io if mapped else replace(io, map_reads=False), rank=rank
+    )
     items = named_tensors(tree, drop_non_tensors=drop_non_tensors) if to == "safetensors" else []
     tensors = [t for _, t in items] if to == "safetensors" else _tensors(tree)
     total = sum(nbytes_of(t) for t in tensors)
