@@ -15,6 +15,9 @@ loop stays free to drive the checkpoint in flight.
   are DTensor shards; they load into whatever world size this launch has), or returns ``None``.
 * ``--stop-at`` ends a launch early, as a preemption would (the save in flight still completes); launching
   again resumes from the last committed step.
+* Each rank adds noise of its own to its inputs, from a generator seeded per rank. Its state is saved
+  under one key, ``"rng"``, on every rank, and each rank gets its own back (per-rank state): a resumed
+  run draws the same noise, so it trains exactly as an uninterrupted one.
 
 Rank 0 prints the progress: the global loss, how long each save took to stage (the training stall) and to
 become durable.
@@ -56,7 +59,8 @@ async def train(args: argparse.Namespace) -> None:
     model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, 1))
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state: dict[str, object] = {"model": model, "optim": optim, "step": 0}
+    torch.manual_seed(100 + rank)  # this rank's input noise (below)
+    state: dict[str, object] = {"model": model, "optim": optim, "step": 0, "rng": torch.get_rng_state()}
 
     xs, ys = dataset()
     xs, ys = xs[rank::world], ys[rank::world]  # this rank's shard of the data
@@ -67,7 +71,8 @@ async def train(args: argparse.Namespace) -> None:
         The batch is a function of ``step``, so a resumed run trains on the very batches it would have.
         """
         rows = torch.arange((step - 1) * BATCH, step * BATCH) % len(xs)
-        loss = F.mse_loss(model(xs[rows]), ys[rows])
+        noisy = xs[rows] + 0.05 * torch.randn(BATCH, FEATURES)  # from this rank's generator
+        loss = F.mse_loss(model(noisy), ys[rows])
         optim.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch; FSDP2 reduce-scatters here
         optim.step()
@@ -90,6 +95,7 @@ async def train(args: argparse.Namespace) -> None:
 
     async with aiockpt.Checkpointer(args.root, keep_last=2) as ckpt:
         resumed = await ckpt.load(state)  # the latest committed step, or None
+        torch.set_rng_state(state["rng"])  # type: ignore[arg-type]  # this rank's own, as it saved it
         start = 0 if resumed is None else resumed
         how = "starting from scratch" if resumed is None else f"resumed from step {start}"
         say(f"world size {world}: {how}")
@@ -100,6 +106,7 @@ async def train(args: argparse.Namespace) -> None:
             if step % args.save_every == 0:
                 if pending is not None:
                     await durable(pending)  # one save in flight at a time
+                state["rng"] = torch.get_rng_state()
                 pending = await ckpt.save(state, step=step, async_op=True)  # every rank, the same step
                 say(
                     f"step {step:4d}  loss {loss:.5f}  save started: staged in "

@@ -127,3 +127,16 @@ def test_distributed_train_with_torchrun_resumes(tmp_path: Path) -> None:
     assert "checkpoint 40 durable" in second
     assert committed() == ["latest", "step-00000030", "step-00000040"]
     assert (root / "latest").read_text().strip() == "step-00000040"
+
+    # It trained as an uninterrupted run: same losses, which needs each rank's own input noise back
+    # (per-rank RNG state; rank 1 used to resume with rank 0's generator).
+    root = tmp_path / "uninterrupted"
+    whole = launch()
+    for step in (30, 40):
+        assert loss_line(second, step) == loss_line(whole, step)
+
+
+def loss_line(output: str, step: int) -> str:
+    """The line rank 0 prints at ``step`` of distributed_train.py, up to its loss."""
+    (line,) = [ln for ln in output.splitlines() if ln.startswith(f"step {step:4d}  loss")]
+    return line.split("  save started")[0]
