@@ -9,6 +9,7 @@ subtree, and the tensors in those subtrees become their rank's own.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator, Mapping, Sequence
 
 import msgspec
@@ -45,6 +46,15 @@ class Merged(msgspec.Struct, frozen=True, gc=False):
     own: tuple[frozenset[int], ...]
 
 
+def _value_key(value: object) -> object:
+    """What a plain value is compared by: its type and value, a float by its bits.
+
+    ``1 == 1.0 == True`` in Python, not in a checkpoint; ``0.0 == -0.0`` but the sign is state; a NaN
+    saved by every rank is the same value although ``nan != nan``.
+    """
+    return (float, struct.pack("<d", value)) if type(value) is float else (type(value), value)
+
+
 class _Merger:
     def __init__(self, sigs: Sequence[Sequence[Signature]]) -> None:
         self.sigs = sigs
@@ -64,9 +74,9 @@ class _Merger:
             # where dtype and global shape agree.
             tensor = (s0.dtype, s0.shape)
             return any(s.shard for s in sigs) and all((s.dtype, s.shape) == tensor for s in sigs)
-        if type(first) is ValueNode:  # (1 == 1.0 == True in Python, not in a checkpoint)
-            kind = type(first.value)
-            return all(type(n) is ValueNode and type(n.value) is kind and n == first for n in nodes)
+        if type(first) is ValueNode:
+            key = _value_key(first.value)
+            return all(type(n) is ValueNode and _value_key(n.value) == key for n in nodes)
         return all(n == first for n in nodes)
 
     def merge(self, nodes: Sequence[Node], path: KeyPath) -> Node:

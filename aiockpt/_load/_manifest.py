@@ -12,7 +12,7 @@ from pathlib import Path
 import crc32c
 import msgspec
 
-from .._body import decode_body
+from .._body import decode_body, tree_blobs
 from .._errors import CheckpointNotFoundError, CorruptionError, FormatError, StateError
 from .._format import (
     ENVELOPE_DECODER,
@@ -672,7 +672,9 @@ def _per_rank(
     """
     trees = [m.tree for _, m in parts]
     sigs = [_signatures(m) for _, m in parts]
-    if all(t == trees[0] for t in trees[1:]) and all(s == sigs[0] for s in sigs[1:]):
+    # By their encodings: trees whose values Python finds equal (1, 1.0, True; 0.0, -0.0) are not alike.
+    blobs = [tree_blobs(t) for t in trees]
+    if all(b == blobs[0] for b in blobs[1:]) and all(s == sigs[0] for s in sigs[1:]):
         return [frozenset()] * len(parts), None  # (the common case: the same state everywhere)
     try:
         merged = merge(trees, sigs)

@@ -92,6 +92,7 @@ def global_plan(plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = ()) 
     owned: list[tuple[int, int, int]] = []
     no_own: frozenset[int] = frozenset()
     own0 = own[0] if own else no_own
+    own0_at: dict[KeyPath, int] = {}  # key path -> tensor, of rank 0's per-rank tensors (t == j)
     for plan in plans:
         rank = plan.rank
         mine = per_rank[rank]
@@ -102,6 +103,8 @@ def global_plan(plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = ()) 
                 first.append(item)
                 first_rank.append(rank)
                 owned.append((rank, j, t))
+                if rank == 0:
+                    own0_at[item.path] = t
                 mine.append((j, t))
                 load[rank] += item.nbytes
                 continue
@@ -111,6 +114,11 @@ def global_plan(plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = ()) 
                 known: int | None = j
             else:
                 known = tensor_index.get(item.path)
+            if known is None and rank and item.path in own0_at:
+                # Rank 0 ties this shared tensor to a key of its own (per-rank state): the merged tree's
+                # shared node refers to rank 0's entry, which rank 0 writes, and the merge found this
+                # rank's copy alike. Nothing refers to the copy: it is not written.
+                continue
             if known is None:
                 if rank:
                     # Where it is not per-rank state (``own``), the manifest's tree is rank 0's: nothing in
