@@ -44,6 +44,9 @@ class Merged(msgspec.Struct, frozen=True, gc=False):
 
     tree: DictNode
     own: tuple[frozenset[int], ...]
+    # Per rank, each of its tensors the merged tree shares, by its index: rank 0's tensor it stands for
+    # (a tie may file it under another key on another rank; rank 0's own map is empty).
+    shared: tuple[dict[int, int], ...] = ()
 
 
 def _value_key(value: object) -> object:
@@ -59,6 +62,7 @@ class _Merger:
     def __init__(self, sigs: Sequence[Sequence[Signature]]) -> None:
         self.sigs = sigs
         self.own: list[set[int]] = [set() for _ in sigs]
+        self.shared: list[dict[int, int]] = [{} for _ in sigs]
 
     def alike(self, nodes: Sequence[Node]) -> bool:
         """Whether the leaves ``nodes`` (one per rank) are the same value."""
@@ -96,6 +100,9 @@ class _Merger:
                 return first
             return ListNode(items=merged) if kind is ListNode else TupleNode(items=merged)
         if self.alike(nodes):
+            if kind is TensorNode:
+                for r in range(1, len(nodes)):
+                    self.shared[r].setdefault(nodes[r].index, first.index)  # type: ignore[union-attr]
             return first
         if kind is TensorNode:
             self.check_shards(nodes, path)  # type: ignore[arg-type]
@@ -182,7 +189,7 @@ def merge(trees: Sequence[DictNode], sigs: Sequence[Sequence[Signature]]) -> Mer
     merger = _Merger(sigs)
     tree = merger.merge(trees, ())
     assert isinstance(tree, DictNode)  # (roots are dicts on every rank: never per-rank as a whole)
-    return Merged(tree=tree, own=tuple(frozenset(o) for o in merger.own))
+    return Merged(tree=tree, own=tuple(frozenset(o) for o in merger.own), shared=tuple(merger.shared))
 
 
 def reindex(tree: DictNode, index: Mapping[tuple[int, int], int]) -> DictNode:

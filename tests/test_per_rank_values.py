@@ -100,6 +100,17 @@ def test_a_shared_tensor_rank_0_also_holds_under_a_key_of_its_own_saves(tmp_path
     assert run_world(_save_and_read, 2, tmp_path, path, states, {}, timeout=60) == ["", ""]
 
 
+@pytest.mark.dist
+def test_a_tie_listed_in_another_order_on_another_rank_saves(tmp_path: Path) -> None:
+    # One tensor under two keys, the keys in another order on rank 1 (its first key is another), and a
+    # position per rank: the trees were exchanged, and the global plan, which found rank 1's tensor by
+    # its first key, refused it ("rank 1 holds tensor 'b', which rank 0's state lacks").
+    w = torch.arange(4.0)
+    states = [{"a": w, "b": w, "pos": 0}, {"b": w, "a": w, "pos": 1}]
+    path = str(tmp_path / "ckpt")
+    assert run_world(_save_and_read, 2, tmp_path, path, states, {}, timeout=60) == ["", ""]
+
+
 # --- Floats by their bits: -0.0 is not 0.0, and a NaN is itself --------------------------------------------
 
 

@@ -96,7 +96,7 @@ def _merge_trees(gathered: list[memoryview]) -> Merged:
 def _plan_global(gathered: list[memoryview], merged: Merged | None) -> GlobalPlan:
     with paused():
         plans = [_LOCAL_PLAN.decode(b) for b in gathered]
-        plan = global_plan(plans, merged.own if merged is not None else ())
+        plan = global_plan(plans, *((merged.own, merged.shared) if merged is not None else ()))
         box: list[object] = [plans]
         del plans
         dismantle(box)

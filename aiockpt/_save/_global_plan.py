@@ -8,7 +8,7 @@ table, with checksums left empty for the finish stage to fill in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -66,13 +66,18 @@ def _append(writes: list[tuple[int, int]], j: int, t: int) -> bool:
     return late
 
 
-def global_plan(plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = ()) -> GlobalPlan:
+def global_plan(
+    plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = (), paired: Sequence[Mapping[int, int]] = ()
+) -> GlobalPlan:
     """Assign every chunk held by any rank to exactly one writer and a file offset.
 
     Tensor ``i`` of the manifest is item ``i`` of rank 0 (the coordinator's tree refers to tensors by that
     index); every rank holds the same tensors (SPMD), if not all of them in the same order, except its
     per-rank state: ``own[r]`` (empty: none), the items of rank ``r`` that are its own (see ``_ranks``),
-    each a tensor of its own in the manifest that ``r`` writes, after rank 0's.
+    each a tensor of its own in the manifest that ``r`` writes, after rank 0's. ``paired[r]`` (with
+    ``own``) maps each other item of rank ``r`` to the tensor of rank 0 it stands for, as the tree merge
+    paired them (a tie may list it under another key on another rank); a rank 0 tensor that is also its
+    per-rank state (a tie) is rank 0's to write, and the others' copies of it are let go.
 
     Raises:
         StateError: Ranks disagree on a tensor's dtype or global shape, naming the key and the ranks, or
@@ -92,7 +97,6 @@ def global_plan(plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = ()) 
     owned: list[tuple[int, int, int]] = []
     no_own: frozenset[int] = frozenset()
     own0 = own[0] if own else no_own
-    own0_at: dict[KeyPath, int] = {}  # key path -> tensor, of rank 0's per-rank tensors (t == j)
     for plan in plans:
         rank = plan.rank
         mine = per_rank[rank]
@@ -103,22 +107,21 @@ def global_plan(plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = ()) 
                 first.append(item)
                 first_rank.append(rank)
                 owned.append((rank, j, t))
-                if rank == 0:
-                    own0_at[item.path] = t
                 mine.append((j, t))
                 load[rank] += item.nbytes
                 continue
+            if rank and paired:
+                known: int | None = paired[rank].get(j)  # (the merge paired every item not per-rank)
+                if known is not None and known in own0:
+                    # Rank 0 ties this tensor to a key of its own (per-rank state): rank 0 writes it, and
+                    # the merged tree refers to rank 0's entry alone. This rank's alike copy is let go.
+                    continue
             # SPMD ranks list the same tensors in the same order: comparing with rank 0's item at the same
             # position avoids hashing every key path of every rank.
-            if rank and j < len(base) and base[j].path == item.path and j not in own0:
-                known: int | None = j
+            elif rank and j < len(base) and base[j].path == item.path:
+                known = j
             else:
                 known = tensor_index.get(item.path)
-            if known is None and rank and item.path in own0_at:
-                # Rank 0 ties this shared tensor to a key of its own (per-rank state): the merged tree's
-                # shared node refers to rank 0's entry, which rank 0 writes, and the merge found this
-                # rank's copy alike. Nothing refers to the copy: it is not written.
-                continue
             if known is None:
                 if rank:
                     # Where it is not per-rank state (``own``), the manifest's tree is rank 0's: nothing in
