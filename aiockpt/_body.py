@@ -23,33 +23,29 @@ import msgspec
 
 from ._codec import SLICE, SlicedDecoder, encode_parts, slice_blobs
 from ._format import (
+    LEAVES,
     MAX_READ_DEPTH,
     PLAIN_VERSION,
     RANKS_VERSION,
-    BytesNode,
     DictNode,
     Key,
     ListNode,
     Manifest,
     Node,
     OpenNode,
-    PickleNode,
     RanksNode,
     Record,
     TensorEntry,
-    TensorNode,
     TupleNode,
-    ValueNode,
 )
 from ._threads import yield_gil
 
 _RECORDS = msgspec.msgpack.Decoder(tuple[Record, ...])
-_LEAVES = frozenset({TensorNode, ValueNode, BytesNode, PickleNode})
 
 
 def _only_leaves(nodes: tuple[Node, ...]) -> bool:
     """Whether no node of ``nodes`` is a container; checked a slice at a time (see :data:`SLICE`)."""
-    return all(_LEAVES.issuperset(map(type, nodes[i : i + SLICE])) for i in range(0, len(nodes), SLICE))
+    return all(LEAVES.issuperset(map(type, nodes[i : i + SLICE])) for i in range(0, len(nodes), SLICE))
 
 
 def holds_ranks(tree: DictNode) -> bool:
@@ -67,7 +63,7 @@ def holds_ranks(tree: DictNode) -> bool:
             kinds = set(map(type, piece))
             if RanksNode in kinds:
                 return True
-            if _LEAVES.issuperset(kinds):
+            if LEAVES.issuperset(kinds):
                 continue
             for node in piece:
                 if isinstance(node, DictNode):
@@ -176,7 +172,7 @@ def tree_from_blobs(blobs: Sequence[bytes | memoryview]) -> DictNode:
             top is not None
             and top.node.kind == "dict"
             and len(records) < top.node.size - len(top.values)
-            and _LEAVES.issuperset(map(type, map(itemgetter(1), records)))
+            and LEAVES.issuperset(map(type, map(itemgetter(1), records)))
             and None not in map(itemgetter(0), records)
         ):
             # A slice of leaf entries that the open dict takes whole, leaving it open (the bulk of a

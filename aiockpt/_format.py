@@ -132,6 +132,8 @@ class RanksNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="ranks"
 
 
 Node = DictNode | ListNode | TupleNode | TensorNode | ValueNode | BytesNode | PickleNode | RanksNode
+# The node types that hold no other node (a tree's leaves).
+LEAVES = frozenset({TensorNode, ValueNode, BytesNode, PickleNode})
 
 
 class OpenNode(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag="open", omit_defaults=True):

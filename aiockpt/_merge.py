@@ -155,7 +155,7 @@ class _Merger:
     def per_rank(self, ranks: Sequence[int], nodes: Sequence[Node], path: KeyPath) -> RanksNode:
         """A RanksNode of ``nodes``, held by ``ranks``; their tensors become those ranks' own."""
         for r, node in zip(ranks, nodes, strict=True):
-            for sub, index in _tensors(node, path):
+            for sub, index in tensors_in(node, path):
                 if self.sigs[r][index].shard:
                     raise StateError(
                         f"rank {r} holds a DTensor at key {render(sub)!r}, under state that differs between "
@@ -167,8 +167,8 @@ class _Merger:
         return RanksNode(ranks=tuple(ranks), items=tuple(nodes))
 
 
-def _tensors(node: Node, path: KeyPath) -> Iterator[tuple[KeyPath, int]]:
-    """The key path and index of every TensorNode in ``node`` (at ``path``)."""
+def tensors_in(node: Node, path: KeyPath) -> Iterator[tuple[KeyPath, int]]:
+    """The key path and index of every TensorNode in ``node`` (at ``path``; it holds no RanksNode)."""
     stack: list[tuple[Node, KeyPath]] = [(node, path)]
     while stack:
         n, p = stack.pop()

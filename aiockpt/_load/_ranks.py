@@ -13,21 +13,17 @@ from collections.abc import Sequence
 from .._codec import SLICE
 from .._errors import CheckpointError, StateError
 from .._format import (
-    BytesNode,
+    LEAVES,
     DictNode,
     Key,
     KeyPath,
     ListNode,
     Node,
-    PickleNode,
     RanksNode,
-    TensorNode,
     TupleNode,
-    ValueNode,
 )
+from .._merge import tensors_in
 from .._tree import render
-
-_LEAVES = frozenset({TensorNode, ValueNode, BytesNode, PickleNode})
 
 
 def this_rank() -> int:
@@ -122,10 +118,10 @@ class _Projector:
         out: dict[int, Node | None] = {}
         for start in range(0, len(children), SLICE):
             piece = children[start : start + SLICE]
-            if _LEAVES.issuperset(map(type, piece)):
+            if LEAVES.issuperset(map(type, piece)):
                 continue
             for i, child in enumerate(piece, start):
-                if type(child) in _LEAVES:
+                if type(child) in LEAVES:
                     continue
                 sub = (*path, i if keys is None else keys[i])
                 if isinstance(child, RanksNode):
@@ -144,7 +140,7 @@ class _Projector:
         if self.others is not None:
             for j, item in enumerate(node.items):
                 if j != at or not found:
-                    _tensor_indices(item, self.others)
+                    self.others.update(i for _, i in tensors_in(item, path))
         if found:
             return node.items[at]
         if in_dict:
@@ -155,16 +151,3 @@ class _Projector:
             f"per rank by ranks {ranks[0]} to {ranks[-1]} only (a checkpoint of another world size)",
             key=key,
         )
-
-
-def _tensor_indices(node: Node, into: set[int]) -> None:
-    """Add the index of every tensor of ``node``'s subtree to ``into``."""
-    stack = [node]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, TensorNode):
-            into.add(node.index)
-        elif isinstance(node, DictNode):
-            stack += node.values
-        elif isinstance(node, ListNode | TupleNode | RanksNode):
-            stack += node.items
