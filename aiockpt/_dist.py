@@ -45,6 +45,7 @@ class DistWorld:
             DistributedError: Creating it failed or timed out (a member never came).
         """
         ranks = dist.get_process_group_ranks(group) if group is not None else None
+        self.parent = dist.group.WORLD if group is None else group
         # Only the members take part in creating it, so a sub-group needs no call from other ranks.
         try:
             self._pg = dist.new_group(
@@ -177,6 +178,10 @@ def _arrival_store(pg: dist.ProcessGroup) -> Store | None:
     return PrefixStore(f"aiockpt/arrivals/{pg.group_name}/", store)
 
 
+# Checkpoint groups by their parent group's ``id``. Each entry keeps its parent alive (``DistWorld.parent``),
+# so the id cannot be reused by another group while the entry stands; an entry whose parent is no longer
+# the group asked for (the default group destroyed and initialised again, in-process restarts do) is
+# replaced, never used: its gloo group belongs to the old world.
 _worlds: dict[int, DistWorld] = {}
 _worlds_lock = threading.Lock()
 
@@ -184,14 +189,18 @@ _worlds_lock = threading.Lock()
 def world_for(group: dist.ProcessGroup | None, *, timeout: float = DEFAULT_TIMEOUT) -> DistWorld | None:
     """The checkpoint group of ``group``, created on first use (a collective call).
 
+    ``None`` means the default group as it is now: after ``destroy_process_group`` and a new
+    ``init_process_group`` it is a new group, with a checkpoint group of its own.
+
     Returns:
         ``None`` when ``torch.distributed`` is not initialised and no group is given (a single process).
     """
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return None
-    key = id(group)
+    parent = dist.group.WORLD if group is None else group
+    key = id(parent)
     with _worlds_lock:
         world = _worlds.get(key)
-        if world is None or world.timeout != timeout:
+        if world is None or world.parent is not parent or world.timeout != timeout:
             world = _worlds[key] = DistWorld(group, timeout=timeout)
         return world

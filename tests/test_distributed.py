@@ -273,6 +273,30 @@ def test_checkpointer_across_ranks(tmp_path: Path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000020", "step-00000030"]
 
 
+async def _save_across_a_new_default_group(rank: int, world: int, tmp: str) -> list[int]:
+    """Save on the default group, then on a new default group of one (as after an in-process restart)."""
+    sizes = [(await aiockpt.save({"x": torch.tensor([rank])}, Path(tmp) / "before")).world_size]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store-alone-{rank}", rank=0, world_size=1)
+    try:
+        # A checkpoint group left from the old world would exchange with the other process here.
+        alone = await aiockpt.save({"x": torch.tensor([rank])}, Path(tmp) / f"alone-{rank}")
+        sizes.append(alone.world_size)
+    finally:
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store-again", rank=rank, world_size=world)
+    # And the default group made again for both: a checkpoint group of its own once more.
+    sizes.append((await aiockpt.save({"x": torch.tensor([rank])}, Path(tmp) / "after")).world_size)
+    return sizes
+
+
+def test_a_new_default_group_gets_a_checkpoint_group_of_its_own(tmp_path: Path) -> None:
+    assert run_world(_save_across_a_new_default_group, 2, tmp_path, str(tmp_path)) == [[2, 1, 2], [2, 1, 2]]
+    loaded: dict[str, Any] = {"x": torch.tensor([-1])}
+    aiockpt.sync.load(loaded, tmp_path / "alone-1")
+    assert loaded["x"].item() == 1
+
+
 async def _save_collective_free(rank: int, world: int, path: str, skip_rank: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
