@@ -92,6 +92,36 @@ async def test_resume_into_fresh_model_and_never_stepped_optimizer(ckpt_path: Pa
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
+async def test_an_older_torchs_optimizer_groups_keep_the_new_settings(ckpt_path: Path) -> None:
+    """An older torch's param groups lack settings added since; torch's load_state_dict takes them."""
+    model = make_model(0)
+    opt = make_optimizer(model)  # AdamW, lr=0.01, weight_decay=0.1
+    train_step(model, opt, None, 0)
+    old = opt.state_dict()
+    new_settings = ("decoupled_weight_decay", "fused", "capturable", "differentiable")
+    old["param_groups"] = [{k: v for k, v in g.items() if k not in new_settings} for g in old["param_groups"]]
+    await aiockpt.save({"optim": old}, ckpt_path)
+
+    opt2 = torch.optim.AdamW(make_model(1).parameters(), lr=0.5)
+    await aiockpt.load({"optim": opt2}, ckpt_path)  # strict: no difference reported
+    group = opt2.param_groups[0]
+    assert (group["lr"], group["weight_decay"]) == (0.01, 0.1)  # the checkpoint's
+    assert group["decoupled_weight_decay"] is True  # AdamW's own, not Adam's default of False
+    assert_tree_equal(opt2.state_dict()["state"], opt.state_dict()["state"])
+
+    # A group without its parameters is still a difference, and so are missing keys elsewhere.
+    broken = {"state": old["state"], "param_groups": [{"lr": 0.01}]}
+    await aiockpt.save({"optim": broken}, ckpt_path.with_name("broken"))
+    with pytest.raises(StateMismatchError, match="param_groups/0/params: missing key") as info:
+        await aiockpt.load(
+            {"optim": torch.optim.AdamW(make_model(1).parameters())}, ckpt_path.with_name("broken")
+        )
+    assert "param_groups/0/betas" not in str(info.value)
+    plain = torch.optim.AdamW(make_model(1).parameters()).state_dict()  # not the optimizer: strict
+    with pytest.raises(StateMismatchError, match="param_groups/0/fused: missing key"):
+        await aiockpt.load({"optim": plain}, ckpt_path)
+
+
 async def test_module_tensors_are_loaded_in_place(ckpt_path: Path) -> None:
     model = make_model(0)
     await aiockpt.save({"model": model}, ckpt_path)

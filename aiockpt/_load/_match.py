@@ -121,6 +121,8 @@ class _Matcher:
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
         self.inside_stateful = 0
         self.params: dict[KeyPath, torch.Tensor] = {}
+        # The param groups of the optimizers in the target (see note_params).
+        self.groups: set[KeyPath] = set()
         self.slabs = _Slabs()
         self.dtensor = dtensor_type()
 
@@ -178,14 +180,16 @@ class _Matcher:
         return obj
 
     def note_params(self, opt: torch.optim.Optimizer, sd: Mapping[str, object], path: KeyPath) -> None:
-        """Remember which parameter each optimizer-state id stands for.
+        """Remember which parameter each optimizer-state id stands for, and where the param groups are.
 
         State the optimizer has not created yet is then created like its parameter (a DTensor shard for a
-        DTensor parameter), as the optimizer itself would.
+        DTensor parameter), as the optimizer itself would. A param group's setting that the checkpoint
+        lacks keeps the optimizer's own value (see :meth:`mapping`).
         """
         groups = sd.get("param_groups")
         if not isinstance(groups, list):
             return
+        self.groups.update((*path, "param_groups", i) for i in range(len(groups)))
         for group, live in zip(groups, opt.param_groups, strict=False):
             ids = group.get("params", []) if isinstance(group, Mapping) else []
             for pid, param in zip(ids, live["params"], strict=False):
@@ -246,9 +250,16 @@ class _Matcher:
         # and so does the collector's first visit of its strings.
         if isinstance(tmpl, Mapping) and len(out) - created < len(tmpl):
             for name in tmpl:
-                if name not in out:
-                    missing = (*path, cast("Key", name))
-                    self.diff(f"{render(missing)}: missing key (in the target, not in the checkpoint)")
+                if name in out:
+                    continue
+                if path in self.groups and name != "params":
+                    # A setting that an older torch's optimizer did not have (``decoupled_weight_decay``,
+                    # ``fused``...): the optimizer's own value stays, where torch's ``load_state_dict``
+                    # accepts the group and fills in a default.
+                    out[cast("Key", name)] = tmpl[name]
+                    continue
+                missing = (*path, cast("Key", name))
+                self.diff(f"{render(missing)}: missing key (in the target, not in the checkpoint)")
         if isinstance(tmpl, MutableMapping) and not self.inside_stateful:
             # A tensor loaded in place is already there: only entries that change are set.
             self.plan.assign.extend((tmpl, k, v) for k, v in out.items() if v is not have.get(k, MISSING))
