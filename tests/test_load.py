@@ -109,17 +109,44 @@ async def test_an_older_torchs_optimizer_groups_keep_the_new_settings(ckpt_path:
     assert group["decoupled_weight_decay"] is True  # AdamW's own, not Adam's default of False
     assert_tree_equal(opt2.state_dict()["state"], opt.state_dict()["state"])
 
-    # A group without its parameters is still a difference, and so are missing keys elsewhere.
+    # A group without its parameters or a hyperparameter (the group of another optimizer) is still a
+    # difference, and so are missing keys elsewhere.
     broken = {"state": old["state"], "param_groups": [{"lr": 0.01}]}
     await aiockpt.save({"optim": broken}, ckpt_path.with_name("broken"))
     with pytest.raises(StateMismatchError, match="param_groups/0/params: missing key") as info:
         await aiockpt.load(
             {"optim": torch.optim.AdamW(make_model(1).parameters())}, ckpt_path.with_name("broken")
         )
-    assert "param_groups/0/betas" not in str(info.value)
+    assert "param_groups/0/betas: missing key" in str(info.value)
+    assert "param_groups/0/fused" not in str(info.value)
     plain = torch.optim.AdamW(make_model(1).parameters()).state_dict()  # not the optimizer: strict
     with pytest.raises(StateMismatchError, match="param_groups/0/fused: missing key"):
         await aiockpt.load({"optim": plain}, ckpt_path)
+
+
+async def test_an_older_torchs_lr_scheduler_loads_strictly(ckpt_path: Path) -> None:
+    """An older torch's scheduler state lacks ``_is_initial`` and has ``verbose``; torch takes both."""
+    opt = make_optimizer(make_model(0))
+    sched = make_scheduler(opt)  # StepLR
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    old = {k: v for k, v in sched.state_dict().items() if k != "_is_initial"} | {"verbose": False}
+    await aiockpt.save({"sched": old}, ckpt_path)
+
+    sched2 = make_scheduler(make_optimizer(make_model(1)))
+    await aiockpt.load({"sched": sched2}, ckpt_path)
+    assert (sched2.last_epoch, sched2.get_last_lr()) == (3, sched.get_last_lr())
+    by_torch = make_scheduler(make_optimizer(make_model(1)))
+    by_torch.load_state_dict(old)
+    assert sched2.state_dict() == by_torch.state_dict()  # its own `_is_initial` kept, as torch keeps it
+
+    del old["last_epoch"]  # any other key it lacks is still missing, for any scheduler
+    await aiockpt.save({"sched": old}, ckpt_path.with_name("no-epoch"))
+    with pytest.raises(StateMismatchError, match="sched/last_epoch: missing key"):
+        await aiockpt.load(
+            {"sched": make_scheduler(make_optimizer(make_model(1)))}, ckpt_path.with_name("no-epoch")
+        )
 
 
 async def test_module_tensors_are_loaded_in_place(ckpt_path: Path) -> None:

@@ -121,7 +121,9 @@ class _Matcher:
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
         self.inside_stateful = 0
         self.params: dict[KeyPath, torch.Tensor] = {}
-        # The param groups of the optimizers in the target (see note_params).
+        # The state dicts of LR schedulers, and the param groups of optimizers, in the target: where some
+        # keys the checkpoint lacks keep the target's value (see ``_kept``).
+        self.schedulers: set[KeyPath] = set()
         self.groups: set[KeyPath] = set()
         self.slabs = _Slabs()
         self.dtensor = dtensor_type()
@@ -165,6 +167,8 @@ class _Matcher:
         template = obj.state_dict()  # type: ignore[attr-defined]
         if isinstance(obj, torch.optim.Optimizer):
             self.note_params(obj, template, path)
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            self.schedulers.add(path)
         # A module's state dict lists every entry it has; other Statefuls may grow entries lazily.
         complete = isinstance(obj, torch.nn.Module)
         self.inside_stateful += 1
@@ -184,7 +188,7 @@ class _Matcher:
 
         State the optimizer has not created yet is then created like its parameter (a DTensor shard for a
         DTensor parameter), as the optimizer itself would. A param group's setting that the checkpoint
-        lacks keeps the optimizer's own value (see :meth:`mapping`).
+        lacks may keep the optimizer's own value (see :meth:`_kept`).
         """
         groups = sd.get("param_groups")
         if not isinstance(groups, list):
@@ -195,6 +199,20 @@ class _Matcher:
             for pid, param in zip(ids, live["params"], strict=False):
                 key: KeyPath = (*path, "state", cast("Key", pid))
                 self.params[key] = param
+
+    def _kept(self, path: KeyPath, name: object, value: object) -> bool:
+        """Whether the target's key ``name`` at ``path``, which the checkpoint lacks, keeps ``value``.
+
+        So it does where an older torch saved no such key and torch's own ``load_state_dict`` takes the
+        state without it: a scheduler's private attribute (``_is_initial``; its ``load_state_dict``
+        updates its ``__dict__``, so what is missing stays) and an optimizer's on/off setting of a param
+        group (``decoupled_weight_decay``, ``fused``, ``capturable``, ``foreach``..., a bool or ``None``,
+        for which the optimizer fills in a default). Anything else missing (a group's ``params`` or
+        ``lr``, a scheduler's ``last_epoch``) is a difference: the state of another kind of object.
+        """
+        if path in self.schedulers:
+            return isinstance(name, str) and name.startswith("_")
+        return path in self.groups and name != "params" and (value is None or isinstance(value, bool))
 
     def preallocate(self, unwanted: Collection[int]) -> None:
         """Destinations for every small tensor of the checkpoint, made in bulk (``aiockpt.read``).
@@ -252,10 +270,7 @@ class _Matcher:
             for name in tmpl:
                 if name in out:
                     continue
-                if path in self.groups and name != "params":
-                    # A setting that an older torch's optimizer did not have (``decoupled_weight_decay``,
-                    # ``fused``...): the optimizer's own value stays, where torch's ``load_state_dict``
-                    # accepts the group and fills in a default.
+                if self._kept(path, name, tmpl[name]):
                     out[cast("Key", name)] = tmpl[name]
                     continue
                 missing = (*path, cast("Key", name))
