@@ -29,8 +29,8 @@ from ._errors import (
     SaveSkippedError,
     StorageError,
 )
-from ._format import Key, part_dir_name
-from ._fs import TMP_PREFIX, collect_garbage, fsync_dir, remove_tree, replace_durable
+from ._format import MANIFEST_NAME, Key, part_dir_name
+from ._fs import TMP_PREFIX, collect_garbage, flocked, fsync_dir, remove_tree, replace_durable
 from ._handle import Metadata, SaveHandle, SaveState
 from ._load import is_checkpoint, run_load, run_read
 from ._memory import StagingPool
@@ -45,6 +45,9 @@ OnBusy = Literal["wait", "skip", "error"]
 T = TypeVar("T")
 
 LATEST = "latest"
+# Held (see flocked) by the ranks of a collective-free job while they update `latest`; a stable name that
+# neither marks temp data nor a step, so garbage collection and listings leave it alone.
+LATEST_LOCK = ".latest.lock"
 _LOAD_ATTEMPTS = 3
 STEP_RE = re.compile(r"step-([0-9]+)")
 
@@ -73,6 +76,80 @@ def step_of(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if name == step_dir_name(step) else None
+
+
+def latest_of(root: Path) -> int | None:
+    """The step that ``root``'s ``latest`` names, or ``None`` (no ``latest``, or not a step's name). Blocking.
+
+    Raises:
+        OSError: ``latest`` exists but cannot be read.
+    """
+    try:
+        name = (root / LATEST).read_bytes().decode(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+    return step_of(name)
+
+
+def collect_temp(root: Path, *, dry_run: bool = False) -> list[Path]:
+    """Remove the temp data of ``root``, and of its step directories, whose writer is gone. Blocking.
+
+    A collective-free save makes its part's temp dir inside the step directory, beside the part it
+    becomes, so a rank killed mid-save leaves it there rather than in ``root``. Each step directory
+    without a manifest of its own is listed once and cleaned as ``root`` is (see
+    :func:`collect_garbage`): a temp entry goes only once its owner lock is free, never while its save
+    runs. A collective save's temp dir is in ``root`` and is renamed whole into place, so a step
+    directory with a manifest holds none and is not listed. A step directory emptied so stays: a rank
+    may be about to make its temp dir in it.
+
+    Args:
+        root: The Checkpointer root.
+        dry_run: Remove nothing; only say what would be removed.
+
+    Returns:
+        The paths removed (or that would be), those directly in ``root`` first.
+
+    Raises:
+        OSError: A directory cannot be listed, or an entry cannot be removed.
+    """
+    removed = collect_garbage(root, dry_run=dry_run)
+    try:
+        with os.scandir(root) as it:
+            steps = [e.path for e in it if step_of(e.name) is not None and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return removed
+    for step in sorted(steps):
+        if not os.path.isfile(os.path.join(step, MANIFEST_NAME)):
+            removed += collect_garbage(Path(step), dry_run=dry_run)  # (one gone meanwhile: nothing)
+    return removed
+
+
+def publish_newer(root: Path, step: int, doomed: Iterable[int]) -> list[Path]:
+    """Point ``latest`` at ``step`` unless it names a newer committed step; then trash ``doomed``. Blocking.
+
+    The ranks of a collective-free job each update ``latest`` when they complete a step, from their own
+    index (``step`` is its newest): a rank late with an older step must not undo a newer one. They take
+    turns under an ``flock`` on :data:`LATEST_LOCK`, so ``latest`` is read and replaced by one at a
+    time, and it only moves forward, to a step that is committed now; a ``latest`` naming a step that is
+    no longer committed (removed by hand) is replaced. Retention runs under the lock too, once ``latest``
+    names ``step`` or a newer step, and ``doomed`` is older than ``step``: the step ``latest`` names is
+    never trashed.
+
+    Returns:
+        The trees of the steps trashed, for the caller to remove (see :func:`trash_steps`).
+
+    Raises:
+        OSError: The lock, ``latest`` or a step directory cannot be read or written.
+    """
+    with flocked(root / LATEST_LOCK):
+        current = latest_of(root)
+        if (
+            current != step
+            and (current is None or current < step or not is_checkpoint(root / step_dir_name(current)))
+            and is_checkpoint(root / step_dir_name(step))
+        ):
+            replace_durable(root / LATEST, (step_dir_name(step) + "\n").encode())
+        return list(trash_steps(root, doomed).values())
 
 
 def _listed_steps(root: Path) -> list[int]:
@@ -193,7 +270,8 @@ class Checkpointer:
             :class:`DistributedError`.
         use_collectives: With ``False`` in a distributed job, every rank saves its own part of each step
             without any collective (see :func:`aiockpt.save`); a step counts as committed once all parts
-            are published, and the rank that completes it updates ``latest`` and prunes.
+            are published, and the rank that completes it updates ``latest`` (never to an older step
+            than it names) and prunes.
         s3: Object-store settings for an ``s3://`` root (default: from the AWS environment variables).
 
     Raises:
@@ -311,7 +389,7 @@ class Checkpointer:
             try:
                 root.mkdir(parents=True, exist_ok=True)
                 if coordinator:  # the other ranks would race it
-                    collect_garbage(root)
+                    collect_temp(root)
                 return scan_steps(root)
             except OSError as exc:
                 raise StorageError(
@@ -551,7 +629,10 @@ class Checkpointer:
             replace_durable(root / LATEST, latest)
             return list(trash_steps(root, doomed).values())
 
-        trash = await run_sync(partial(publish, root))
+        if self._part is None:
+            trash = await run_sync(partial(publish, root))
+        else:  # collective-free: every rank completing a step publishes, each from its own index
+            trash = await run_sync(partial(publish_newer, root, steps[-1], doomed))
         self._steps = [s for s in self._steps if s not in doomed]
         if trash:
             await self._remove_later(trash)

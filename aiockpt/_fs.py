@@ -2,7 +2,8 @@
 
 The commit protocol relies on three of them: :func:`fsync_dir` (a rename is durable only once its parent
 directory is fsynced), :func:`rename_noreplace` (publishing never overwrites a checkpoint) and
-:class:`OwnerLock` (in-progress temp data is garbage-collected only once its writer is gone).
+:class:`OwnerLock` (in-progress temp data is garbage-collected only once its writer is gone). Processes
+that update one file in turns hold :func:`flocked`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
@@ -292,6 +293,25 @@ class OwnerLock:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         os.close(self._fd)
+
+
+@contextlib.contextmanager
+def flocked(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on file ``path`` for the block, waiting for it while another holds it.
+
+    The file is created if missing and never removed: a lock file that could vanish between one
+    process's open and its ``flock`` would let a second process lock a new file of that name meanwhile.
+    The kernel drops the lock when its holder dies. For short sections only (the wait is unbounded).
+
+    Raises:
+        OSError: ``path`` cannot be opened or created, or cannot be locked.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def owner_alive(lock_path: Path) -> bool:

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
-from .._checkpointer import LATEST, delete_steps, doomed_steps, scan_steps, step_dir_name, step_of
+from .._checkpointer import collect_temp, delete_steps, doomed_steps, latest_of, scan_steps, step_dir_name
 from .._errors import CheckpointNotFoundError
-from .._fs import collect_garbage
 from .._load import is_checkpoint
 from .._storage import local
 from ._common import disk_usage, human_bytes, json_option, print_json
 
 SCHEMA = "aiockpt.prune/1"
-
-
-def _latest_step(root: Path) -> int | None:
-    try:
-        return step_of((root / LATEST).read_text().strip())
-    except FileNotFoundError:
-        return None
 
 
 @click.command("prune", short_help="Delete old steps and temp data of crashed saves.")
@@ -38,7 +28,8 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
 
     Applies the retention of `Checkpointer(keep_last=N, keep_every=K)`: the newest N steps and every
     step divisible by K stay (so the newest step always does, and so does the one `latest` names).
-    Temp data goes only once its writer is gone: saves running in other processes are safe.
+    Temp data goes only once its writer is gone: saves running in other processes are safe. That
+    includes the temp parts that ranks of a collective-free job left inside step directories.
     """
     directory = local(root, "the aiockpt command line")
     if not directory.is_dir():
@@ -47,16 +38,18 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
     if is_checkpoint(directory):
         raise CheckpointNotFoundError(f"{directory} is a checkpoint, not a Checkpointer root")
     steps = scan_steps(directory)
-    latest = _latest_step(directory)
+    latest = latest_of(directory)
     doomed = doomed_steps(
         steps, keep_last=keep_last, keep_every=keep_every, protect=() if latest is None else (latest,)
     )
     sizes = {s: disk_usage(directory / step_dir_name(s)) for s in doomed}
-    garbage = collect_garbage(directory, dry_run=True)
+    # Temp data inside a doomed step goes with the step (and its size with the step's).
+    doomed_dirs = {directory / step_dir_name(s) for s in doomed}
+    garbage = [p for p in collect_temp(directory, dry_run=True) if p.parent not in doomed_dirs]
     garbage_sizes = {p: disk_usage(p) for p in garbage}
     if not dry_run:
         doomed = delete_steps(directory, doomed)
-        garbage = collect_garbage(directory)
+        garbage = collect_temp(directory)
     freed = sum(sizes[s] for s in doomed) + sum(garbage_sizes.get(p, 0) for p in garbage)
     kept = [s for s in steps if s not in doomed]
     if as_json:
@@ -66,7 +59,7 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
                 "root": str(directory),
                 "dry_run": dry_run,
                 "deleted_steps": doomed,
-                "removed_temp": [p.name for p in garbage],
+                "removed_temp": [str(p.relative_to(directory)) for p in garbage],
                 "kept_steps": kept,
                 "freed_nbytes": freed,
             }
@@ -77,7 +70,7 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
         click.echo(f"{verb} {step_dir_name(s)} ({human_bytes(sizes[s])})")
     for p in garbage:
         size = human_bytes(garbage_sizes.get(p, 0))
-        click.echo(f"{verb} {p.name} ({size}): temp data whose writer is gone")
+        click.echo(f"{verb} {p.relative_to(directory)} ({size}): temp data whose writer is gone")
     entries = "entry" if len(garbage) == 1 else "entries"
     click.echo(
         f"{verb} {len(doomed)} step(s) and {len(garbage)} temp {entries}, {human_bytes(freed)}; "
