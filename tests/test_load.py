@@ -149,6 +149,54 @@ async def test_an_older_torchs_lr_scheduler_loads_strictly(ckpt_path: Path) -> N
         )
 
 
+def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
+    if how == "compiled":
+        return torch.compile(model, backend="eager")  # (compiles lazily: never run here)
+    if how == "data_parallel":
+        return torch.nn.DataParallel(model)  # names under "module." (as DistributedDataParallel's)
+    if how == "both":
+        return torch.compile(torch.nn.DataParallel(model), backend="eager")
+    return model
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [("compiled", "plain"), ("plain", "compiled"), ("data_parallel", "compiled"), ("both", "plain")],
+)
+async def test_a_wrapped_models_state_loads_into_the_model_wrapped_otherwise(
+    ckpt_path: Path, saved: str, loaded: str
+) -> None:
+    """A compiled learner's weights load into a plain actor model (and so on): only wrappers differ."""
+    model = make_model(0)
+    wrapped = _wrap(model, saved)
+    assert (saved == "plain") == ("0.weight" in wrapped.state_dict())
+    await aiockpt.save({"model": wrapped}, ckpt_path)
+
+    model2 = make_model(1)
+    target = _wrap(model2, loaded)
+    await aiockpt.load({"model": target}, ckpt_path)  # strict: no difference
+    assert_tree_equal(model2.state_dict(), model.state_dict())
+    # Fresh reads show the names as saved.
+    assert any(k.startswith(("_orig_mod.", "module.")) for k in (await aiockpt.read(ckpt_path))["model"]) == (
+        saved != "plain"
+    )
+
+
+async def test_names_that_differ_beyond_wrappers_are_still_differences(ckpt_path: Path) -> None:
+    await aiockpt.save({"model": _wrap(make_model(0), "compiled")}, ckpt_path)
+    longer = make_model(1)
+    longer.add_module("extra", torch.nn.Linear(2, 2))
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load({"model": longer}, ckpt_path)
+    assert info.value.differences == [
+        "model/extra.weight: missing key (in the target, not in the checkpoint)",
+        "model/extra.bias: missing key (in the target, not in the checkpoint)",
+    ]
+    shorter = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    with pytest.raises(StateMismatchError, match=r"model/_orig_mod\.4\.weight: unexpected key"):
+        await aiockpt.load({"model": _wrap(shorter, "data_parallel")}, ckpt_path)
+
+
 async def test_module_tensors_are_loaded_in_place(ckpt_path: Path) -> None:
     model = make_model(0)
     await aiockpt.save({"model": model}, ckpt_path)

@@ -165,6 +165,8 @@ class _Matcher:
             self.diff(f"{render(path)}: the target is a {type(obj).__name__}, the checkpoint a {_kind(node)}")
             return obj
         template = obj.state_dict()  # type: ignore[attr-defined]
+        if isinstance(obj, torch.nn.Module):
+            node = _rewrapped(node, template)
         if isinstance(obj, torch.optim.Optimizer):
             self.note_params(obj, template, path)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
@@ -410,6 +412,42 @@ class _Matcher:
 
 
 _DTYPES: dict[str, torch.dtype] = {}
+
+
+# What wrappers put before the names of a module's state: ``torch.compile``'s ``OptimizedModule`` and
+# ``DistributedDataParallel`` (or ``DataParallel``) hold the model as ``_orig_mod`` or ``module``.
+_WRAPPERS = ("_orig_mod.", "module.")
+
+
+def _unwrapped(name: str) -> str:
+    """``name`` without the wrappers' prefixes it begins with (``_orig_mod.module.x``: ``x``)."""
+    while True:
+        for prefix in _WRAPPERS:
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        else:
+            return name
+
+
+def _rewrapped(node: DictNode, template: Mapping[str, object]) -> DictNode:
+    """``node``, a module's saved state, under the names of its ``template`` where only wrappers differ.
+
+    A model saved compiled (``torch.compile``) or wrapped in ``DistributedDataParallel`` has every name
+    prefixed (``_orig_mod.0.weight``), and one loaded so has too: an actor loading a compiled learner's
+    weights into a plain model would miss every key. A saved name that is one of the target's once the
+    wrappers' prefixes are taken off both becomes the target's, where such names are unique on both
+    sides; the others stay as saved, and the match reports them. A wrapper prefixes every name, so a
+    first saved name that the target has means none differs: the common case costs one lookup.
+    """
+    if not node.keys or node.keys[0] in template or not all(isinstance(k, str) for k in node.keys):
+        return node
+    wanted = {_unwrapped(k): k for k in template}
+    bare = [_unwrapped(cast("str", k)) for k in node.keys]
+    if len(wanted) != len(template) or len(set(bare)) != len(bare):
+        return node  # two names alike but for wrappers: which is which is unknown
+    keys = tuple(cast("Key", wanted.get(b, k)) for b, k in zip(bare, node.keys, strict=True))
+    return DictNode(keys=keys, values=node.values, origin=node.origin)
 
 
 def _dtype(name: str) -> torch.dtype:
