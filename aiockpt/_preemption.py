@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 
 from ._checkpointer import Checkpointer
+from ._errors import CheckpointError
 
 # What ``signal.getsignal`` returns.
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -22,15 +23,20 @@ class Preemption:
     Schedulers (Kubernetes, Slurm, spot instances) send SIGTERM some seconds before killing a job.
     Inside ``async with Preemption(ckpt) as preemption:`` the signal sets :attr:`requested` (the training
     loop checks it at a step boundary and leaves the block), or with ``cancel=True`` cancels the block at
-    once. Leaving the block after a signal then, shielded from cancellation: waits for every save in
-    flight to commit, calls ``final_save()`` and saves what it returns (unless that step is committed
-    already), and raises ``SystemExit(128 + signal)`` (with ``exit=False`` it returns instead).
+    its next ``await``. Leaving the block after a signal then, shielded from cancellation: waits for
+    every save in flight to commit, calls ``final_save()`` and saves what it returns (unless that step is
+    committed already), and raises ``SystemExit(128 + signal)`` (with ``exit=False`` it returns instead).
+
+    :attr:`requested` is set by a Python signal handler, which runs on the main thread between two
+    bytecodes, not by the event loop: a loop of synchronous steps that never awaits sees it at its next
+    check. Until the block is left, a repeated signal is ignored; a signal that arrives once the block
+    was left without one goes to the handler from before, which is back in place.
 
     Example::
 
         async with aiockpt.Preemption(ckpt, final_save=lambda: (state, step)) as preemption:
             while step < total and not preemption.requested:
-                step = train_one_step(step)
+                step = train_one_step(step)  # synchronous: no await needed
 
     Args:
         ckpt: The Checkpointer whose saves must not be lost.
@@ -40,6 +46,10 @@ class Preemption:
         cancel: Cancel the block when the signal arrives instead of waiting for it to check
             :attr:`requested`.
         exit: Raise ``SystemExit`` after the final save.
+
+    Raises:
+        CheckpointError: On entering the block, a signal cannot be handled (SIGKILL), or this is not the
+            main thread (where Python runs signal handlers).
     """
 
     def __init__(
@@ -63,6 +73,7 @@ class Preemption:
         self._requested_event = anyio.Event()
         # Per signal, what handled it before: an asyncio handler of the loop, else Python's handler.
         self._before: dict[signal.Signals, tuple[asyncio.Handle | None, _Handler]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def wait(self) -> signal.Signals:
         """Wait until a signal is received; return it."""
@@ -70,10 +81,16 @@ class Preemption:
         assert self.signal is not None
         return self.signal
 
-    def _on_signal(self, sig: signal.Signals) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """The handler (a Python one: it runs on the main thread, wherever that is in its code)."""
         if self.requested:
             return
-        self.requested, self.signal = True, sig
+        self.requested, self.signal = True, signal.Signals(signum)
+        # The event and the cancel scope belong to the loop, which this may have interrupted mid-way.
+        assert self._loop is not None  # (installed by __aenter__, which sets it)
+        self._loop.call_soon_threadsafe(self._notify)
+
+    def _notify(self) -> None:
         self._requested_event.set()
         if self.cancel:
             self._scope.cancel()
@@ -85,13 +102,25 @@ class Preemption:
             self._scope = anyio.CancelScope()
             self._requested_event = anyio.Event()
             self.requested, self.signal = False, None
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         # asyncio keeps its handlers in a private table: the only place to find an application's own.
         handlers: dict[int, asyncio.Handle] = getattr(loop, "_signal_handlers", {})
         try:
             for sig in self.signals:
-                before = (handlers.get(sig), signal.getsignal(sig))
-                loop.add_signal_handler(sig, self._on_signal, sig)
+                handle = handlers.get(sig)
+                before = (handle, signal.getsignal(sig))
+                if handle is not None:  # (its Python handler is asyncio's no-op: the loop runs it)
+                    loop.remove_signal_handler(sig)
+                try:
+                    signal.signal(sig, self._on_signal)
+                except BaseException as exc:
+                    if handle is not None:
+                        loop.add_signal_handler(sig, handle._callback, *handle._args)  # type: ignore[attr-defined]
+                    if isinstance(exc, OSError | ValueError):  # SIGKILL, say, or not the main thread
+                        raise CheckpointError(
+                            f"Preemption cannot handle {signal.Signals(sig).name}: {exc}"
+                        ) from exc
+                    raise
                 self._before[sig] = before
         except BaseException:
             self._restore()  # those taken already (a signal that cannot be handled: SIGKILL, say)
@@ -110,8 +139,14 @@ class Preemption:
         # at the time limit) is ignored meanwhile, where the default action would kill the process.
         try:
             swallowed = bool(self._scope.__exit__(exc_type, exc, tb))
-            if not self.requested or (exc_type is not None and not swallowed):
-                return swallowed  # no signal, or the block failed: its exception goes on
+            if exc_type is not None and not swallowed:
+                return swallowed  # the block failed: its exception goes on
+            if not self.requested:
+                # The handlers go back first, then ``requested`` is read again: a signal that came in
+                # between was handled here (it is acted on), one that comes later by the handler before.
+                self._restore()
+                if not self.requested:
+                    return swallowed
             with anyio.CancelScope(shield=True):
                 await self.ckpt.wait()
                 last = self.final_save() if self.final_save is not None else None
@@ -129,11 +164,10 @@ class Preemption:
 
     def _restore(self) -> None:
         """Give each signal back to what handled it before (the default action if nothing did)."""
-        loop = asyncio.get_running_loop()
         for sig, (handle, handler) in self._before.items():
-            loop.remove_signal_handler(sig)
             if handle is not None:  # an asyncio handler of the application's (Handle's fields are private)
-                loop.add_signal_handler(sig, handle._callback, *handle._args)  # type: ignore[attr-defined]
-            elif handler is not None:  # (None: a handler installed outside Python, left as it is)
-                signal.signal(sig, handler)
+                assert self._loop is not None
+                self._loop.add_signal_handler(sig, handle._callback, *handle._args)  # type: ignore[attr-defined]
+            else:  # (None: a handler installed outside Python; the default action is the nearest)
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self._before.clear()

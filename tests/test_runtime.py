@@ -215,7 +215,8 @@ async def test_keep_every_steps_are_kept_forever_and_the_newest_is_never_deleted
         assert ckpt.steps() == [3, 6, 9, 10]
         assert on_disk(root) == [step_dir(s) for s in (3, 6, 9, 10)]
         # An older step saved late is pruned at once; the newest one stays and `latest` keeps naming it.
-        await ckpt.save(filled(8), step=8)
+        with pytest.warns(RuntimeWarning, match="step 8 was deleted .* at once"):
+            await ckpt.save(filled(8), step=8)
         assert ckpt.steps() == [3, 6, 9, 10]
         assert read_text(root / "latest") == step_dir(10) + "\n"
         await ckpt.wait()  # the pruned steps' trees are removed in the background
@@ -662,6 +663,31 @@ async def test_a_repeated_signal_during_the_final_save_is_ignored(root: Path) ->
                 await preemption.wait()
         assert ckpt.steps() == [2]
         assert_tree_equal(await ckpt.read(2), filled(2, MiB))
+
+
+async def test_preemption_is_seen_by_a_loop_of_synchronous_steps(root: Path) -> None:
+    """A loop that never awaits between steps used to run to its end: the handler waited for the loop."""
+    async with Checkpointer(root) as ckpt:
+        step = 0
+        preemption = aiockpt.Preemption(ckpt, final_save=lambda: (filled(step, MiB), step), exit=False)
+        async with preemption:
+            while step < 100 and not preemption.requested:
+                step += 1  # a synchronous training step
+                if step == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)
+        assert (step, preemption.signal) == (5, signal.SIGTERM)
+        assert ckpt.steps() == [5]
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+
+
+async def test_a_signal_just_before_the_block_is_left_still_saves(root: Path) -> None:
+    """A signal in the block's last step, after its last check: it was dropped with the handlers."""
+    async with Checkpointer(root) as ckpt:
+        preemption = aiockpt.Preemption(ckpt, final_save=lambda: (filled(7, MiB), 7), exit=False)
+        async with preemption:
+            os.kill(os.getpid(), signal.SIGTERM)  # no await after it: the block ends here
+        assert preemption.requested
+        assert ckpt.steps() == [7]
 
 
 async def test_preemption_gives_each_signal_back_to_its_handler_before(root: Path) -> None:

@@ -209,7 +209,7 @@ async def test_a_refused_signal_leaves_no_handler_behind(root: Path) -> None:
     """A signal that cannot be handled used to leave the ones taken before it with the Preemption."""
     loop = asyncio.get_running_loop()
     async with Checkpointer(root) as ckpt:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(aiockpt.CheckpointError, match="Preemption cannot handle SIGKILL"):
             async with aiockpt.Preemption(ckpt, signals=(signal.SIGUSR1, signal.SIGKILL), exit=False):
                 pass
     assert signal.SIGUSR1 not in getattr(loop, "_signal_handlers", {})
