@@ -80,7 +80,9 @@ async def save(
         path: The checkpoint directory to create; it must not exist. Parents are created. An
             ``s3://bucket/prefix`` URL saves to an S3-compatible object store instead (``aiockpt[s3]``).
         async_op: Return once the state is staged (copied aside), with a :class:`SaveHandle` to await for
-            durability, instead of once the checkpoint is durable.
+            durability, instead of once the checkpoint is durable. Without it, nothing may modify the
+            state until ``save`` returns (another task included): its tensors are written from their
+            own memory, and one changed meanwhile fails its checksum on load.
         allow_pickle: Pickle objects of other types instead of refusing them.
         metadata: Small user values stored in the manifest: str keys, each value a str, an int (within
             int64/uint64), a float, a bool or ``None``.
