@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +125,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._scope: anyio.CancelScope | None = None
         self._cancelled = False  # cancel() was called: a scope entered later starts cancelled
+        self._background = False  # run in the loop's task group of background saves (see _runner)
 
     def __repr__(self) -> str:
         return f"<SaveHandle step={self.step} path={self.path!r} state={self._state.value}>"
@@ -227,6 +229,16 @@ class SaveHandle:
                 metadata = await body(report)
             except anyio.get_cancelled_exc_class():
                 self._finish(SaveState.CANCELLED)
+                if self._background and started and not self._cancelled:
+                    # Not by cancel() (nor aclose(cancel=True), which calls it): the task group of the
+                    # loop's background saves was cancelled, which asyncio.run does to a loop ending.
+                    warnings.warn(
+                        f"the save to {self.path} was cancelled before it committed: the event loop ended "
+                        "with it in flight (await its handle, or close its Checkpointer, before the loop "
+                        "ends)",
+                        RuntimeWarning,
+                        stacklevel=1,
+                    )
                 raise
             except Exception as exc:
                 self._finish(SaveState.FAILED, error=exc)

@@ -3,7 +3,8 @@
 A background save must outlive the call that started it, so it cannot live in the caller's task. Each
 running asyncio loop gets one long-lived task owning an anyio task group; saves are started into it with
 ``tg.start``, which returns once the save reports "staged". When the loop shuts down (``asyncio.run``
-cancels leftover tasks) the group is cancelled and every unfinished save aborts cleanly.
+cancels leftover tasks) the group is cancelled and every unfinished save aborts cleanly, with a
+``RuntimeWarning`` naming it: its caller never waited for it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ async def start_background(
     """
     runner = await _runner()
     assert runner.tg is not None
+    handle._background = True
     result: SaveHandle = await runner.tg.start(handle._drive, body)
     return result
 

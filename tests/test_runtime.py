@@ -393,6 +393,31 @@ async def test_temp_data_of_a_live_writer_survives_an_open(root: Path) -> None:
     assert tmp_entries(root) == []
 
 
+def test_a_background_save_the_loop_ends_with_warns_and_leaves_nothing(tmp_path: Path) -> None:
+    """asyncio.run cancels what is left when its coroutine returns: such a save used to vanish silently."""
+
+    async def forgets(how: str) -> SaveState:
+        state = {"w": torch.ones(4 << 20)}
+        if how == "one-shot":
+            handle = await aiockpt.save(state, tmp_path / "one-shot", async_op=True)
+        else:
+            handle = await Checkpointer(tmp_path / "root").save(state, step=1, async_op=True)
+        return handle.state
+
+    for how in ("one-shot", "checkpointer"):
+        with pytest.warns(RuntimeWarning, match="cancelled before it committed: the event loop ended"):
+            assert asyncio.run(forgets(how)) is SaveState.STAGED
+    assert listdir(tmp_path) == ["root"]
+    assert listdir(tmp_path / "root") == []
+
+    async def cancels() -> None:  # a save cancelled by its handle: asked for, no warning
+        handle = await aiockpt.save({"w": torch.ones(4 << 20)}, tmp_path / "cancelled", async_op=True)
+        handle.cancel()
+
+    asyncio.run(cancels())
+    assert listdir(tmp_path) == ["root"]
+
+
 def test_write_durable_writes_pieces_back_to_back_through_short_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
