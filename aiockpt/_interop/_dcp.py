@@ -9,8 +9,11 @@ chunk and every bytes item is a ``torch.save`` blob at ``[offset, offset + lengt
 file, written by whichever rank held it.
 
 A tensor chunk's blob normally holds its elements as one stored, row-major zip record: those chunks are
-read by the native reader straight into destination memory (``_torchblob`` finds the record). Chunks
-saved otherwise (a channels-last layout, say) are decoded whole and copied into place.
+read by the native reader straight into destination memory (``_torchblob`` finds the record), then
+checked against the record's CRC-32 (``_records``). Chunks saved otherwise (a channels-last layout, say)
+are decoded whole and copied into place, once every record of their blob matched its CRC-32; so are
+values. Records saved without CRCs (``torch.serialization.set_crc32_options(False)``: their CRC is 0)
+cannot be checked.
 
 Safety: ``.metadata`` is decoded by an unpickler that resolves only the classes such a file needs, so an
 untrusted checkpoint cannot run code; blobs are decoded with ``torch.load(weights_only=True)``. Only
@@ -37,11 +40,13 @@ from .._load._match import Destination
 from .._load._read import read_into
 from .._tree import dtype_name
 from ._names import tree_of, value_node
+from ._records import check_records
 from ._source import DecodingSource
-from ._torchblob import raw_location
+from ._torchblob import Raw, damaged_record, raw_location
 
 METADATA_NAME = ".metadata"
-# Only the block size the native reader splits large chunks by (DCP stores no checksums).
+# Only the block size the native reader splits large chunks by (DCP's checksums are the records' CRC-32,
+# checked by ``_records``, not by the reader).
 _BLOCK = 4 << 20
 
 _DCP = "torch.distributed.checkpoint"
@@ -137,6 +142,8 @@ class DcpSource(DecodingSource):
         self.blobs: dict[tuple[int, int], tuple[str, int, int]] = {}
         # Tensors with a chunk whose blob is not plain raw bytes: decoded with torch.load.
         self.decoded: set[int] = set()
+        # The CRC-32 of each plain chunk's record, by (tensor index, chunk number); 0s left out.
+        self.crcs: dict[tuple[int, int], int] = {}
         self._fds: dict[str, int | None] = {}
         md = read_metadata(directory, allow_pickle=allow_pickle)
         self.paths = _paths(md.planner_data)
@@ -181,12 +188,14 @@ class DcpSource(DecodingSource):
                     raw = self._raw(info.relative_path, info.offset, info.length, sizes, dtype)
                     if raw is None:
                         self.decoded.add(index)
+                    elif raw.crc:
+                        self.crcs[index, number] = raw.crc
                     chunks.append(
                         Chunk(
                             offsets=tuple(c.offsets),
                             sizes=sizes,
                             file=info.relative_path,
-                            offset=info.offset if raw is None else raw,
+                            offset=info.offset if raw is None else raw.offset,
                             nbytes=info.length if raw is None else math.prod(sizes) * itemsize,
                             checksums=(),
                         )
@@ -264,7 +273,7 @@ class DcpSource(DecodingSource):
 
     def _raw(
         self, file: str, offset: int, length: int, sizes: tuple[int, ...], dtype: torch.dtype
-    ) -> int | None:
+    ) -> Raw | None:
         """Where the chunk's raw bytes start, if its blob holds them plainly (see ``_torchblob``)."""
         if file not in self._fds:
             try:
@@ -289,15 +298,25 @@ class DcpSource(DecodingSource):
         threads: int,
         limiter: anyio.CapacityLimiter | None,
     ) -> None:
-        """Read plain chunks straight into destination memory; decode the others with ``torch.load``."""
+        """Read plain chunks straight into destination memory; decode the others with ``torch.load``.
+
+        Every record read is checked against its CRC-32 (see ``_records``), before values are handed over.
+        """
         direct = {i: d for i, d in destinations.items() if i not in self.decoded}
         if direct:
             await read_into(self.location, manifest, direct, threads=threads, limiter=limiter)
+            await check_records(self.location, manifest, direct, self.crcs, threads=threads, limiter=limiter)
         if len(direct) < len(destinations):
             rest = {i: d for i, d in destinations.items() if i in self.decoded}
             await super().fill(manifest, rest, threads=threads, limiter=limiter)
 
     def _blob(self, file: str, offset: int, length: int, key: str) -> bytes:
+        """The ``torch.save`` blob of ``key``, once every record in it matched its CRC-32. Blocking.
+
+        Raises:
+            CorruptionError: The file is missing or too short, or a record fails its CRC-32.
+            StorageError: The file cannot be read.
+        """
         path = self.location / file
         try:
             with open(path, "rb") as f:
@@ -314,6 +333,14 @@ class DcpSource(DecodingSource):
         if len(data) != length:
             raise CorruptionError(
                 f"{path} is truncated: {key!r} needs bytes {offset}..{offset + length}",
+                file=str(path),
+                key=key,
+            )
+        damaged = damaged_record(data)
+        if damaged is not None:
+            raise CorruptionError(
+                f"checksum mismatch in {path} for key {key!r}: its zip record {damaged!r} (in bytes "
+                f"{offset}..{offset + length}) does not match its CRC-32",
                 file=str(path),
                 key=key,
             )

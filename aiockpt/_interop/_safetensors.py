@@ -7,7 +7,9 @@ directory holds either ``model.safetensors`` or shards plus ``model.safetensors.
 (``{"metadata": {"total_size": N}, "weight_map": {name: shard file}}``).
 
 Tensors lie raw at known offsets, so reads go through the native reader straight into destination memory;
-the format has no checksums (the manifest says ``checksum_algorithm="none"``).
+the format has no checksums (the manifest says ``checksum_algorithm="none"``). The header is checked as the
+reference reader checks it: each entry alone (``_entry``), then all of them tiling the data section
+(``_check_tiling``).
 """
 
 from __future__ import annotations
@@ -130,6 +132,45 @@ def _entry(
     return torch_dtype, tuple(shape), start + offsets[0], nbytes
 
 
+def _check_tiling(file: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """Check that the tensors' ``(start, end, name)`` byte spans tile the data section exactly.
+
+    As the reference reader requires: sorted by offsets, the first starts at 0, each starts where the one
+    before ends, the last ends where the file does. So no two tensors share bytes (a forged header could
+    otherwise make two names views of the same bytes) and no byte belongs to none. Zero-size tensors
+    (``[k, k]``) may sit at any boundary between tensors, as there, but not inside a tensor.
+
+    Raises:
+        CorruptionError: Names the file and the tensor at the overlap or gap (``key``), and the one before.
+    """
+    spans.sort()  # (by start, then end: a zero-size tensor before one that starts where it is)
+    at, before = 0, None
+    for start, end, name in spans:
+        if start != at:
+            if start < at:
+                what = f"{name!r} (bytes {start}..{end}) starts inside {before!r}, which ends at {at}"
+            elif before is None:
+                what = f"bytes 0..{start}, before the first tensor {name!r}, belong to no tensor"
+            else:
+                what = f"bytes {at}..{start}, between {before!r} and {name!r}, belong to no tensor"
+            raise CorruptionError(
+                f"{file} has a damaged safetensors header: {what} (offsets in its data section)",
+                file=str(file),
+                key=name,
+            )
+        at, before = end, name
+    if at != data_size:  # (never past it: each entry was checked against the file's size)
+        what = f"bytes {at}..{data_size}" + (
+            f", after the last tensor {before!r}," if before is not None else ""
+        )
+        raise CorruptionError(
+            f"{file} has a damaged safetensors header: {what} belong to no tensor (offsets in its data "
+            "section)",
+            file=str(file),
+            key=before,
+        )
+
+
 class SafetensorsSource(Source):
     """A ``*.safetensors`` file or a Hugging Face directory of them; read as a flat dict of names."""
 
@@ -159,10 +200,12 @@ class SafetensorsSource(Source):
                     raise CorruptionError(
                         f"{file} lacks {absent[:5]} that {INDEX_NAME} places there", file=str(file)
                     )
+            spans: list[tuple[int, int, str]] = []
             for name, info in header.items():
                 if name in names:
                     raise FormatError(f"{name!r} is stored twice in {path}", file=str(file))
                 dtype, shape, offset, nbytes = _entry(file, name, info, start, size)
+                spans.append((offset - start, offset - start + nbytes, name))
                 names[name] = TensorNode(index=len(tensors))
                 chunk = Chunk(
                     offsets=(0,) * len(shape),
@@ -173,6 +216,7 @@ class SafetensorsSource(Source):
                     checksums=(),
                 )
                 tensors.append(TensorEntry(path=(name,), dtype=dtype, shape=shape, chunks=(chunk,)))
+            _check_tiling(file, spans, size - start)
         self.names = names
         self.manifest = Manifest(
             checksum_algorithm="none",

@@ -11,6 +11,12 @@ other content means "not a plain tensor", and the caller decodes the blob with `
 The storage's class (``torch.FloatStorage``...) names its element type: a record is only taken as raw
 bytes of the dtype the caller expects (a forged DCP ``.metadata`` could otherwise have a bool chunk's
 bytes read as int8, where ``torch.load`` would report the mismatch).
+
+Every record's CRC-32 (zlib's) is in the archive's central directory, computed by ``torch.save`` unless
+``torch.serialization.set_crc32_options(False)`` told it not to: then every CRC is 0, and nothing can be
+checked. ``torch.load`` checks none of them. Here ``data.pkl`` is checked before it is trusted (a
+damaged one means "not plain"), and the data record's CRC is handed to the caller, which checks it once
+the record is read (see ``_records``); :func:`damaged_record` checks a whole blob before it is decoded.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -158,13 +165,47 @@ def _row_major(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def raw_location(fd: int, start: int, length: int, sizes: tuple[int, ...], dtype: torch.dtype) -> int | None:
-    """The file offset of the raw row-major bytes of the tensor saved at ``[start, +length)``.
+class Raw(NamedTuple):
+    """Where a tensor's raw bytes lie in a file, and the CRC-32 of their zip record (0: none computed)."""
+
+    offset: int
+    crc: int
+
+
+def _data_start(f: io.RawIOBase | io.BytesIO, info: zipfile.ZipInfo, length: int) -> int | None:
+    """Where the bytes of the stored record ``info`` start in ``f``, if all of them lie in its ``length``."""
+    f.seek(info.header_offset)
+    header = f.read(_LOCAL_HEADER.size)
+    if header is None or len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
+    data = info.header_offset + _LOCAL_HEADER.size + int(name_len) + int(extra_len)
+    return data if data + info.file_size <= length else None
+
+
+def _record(window: _Window, info: zipfile.ZipInfo) -> bytes | None:
+    """The bytes of the stored record ``info``, if they match its CRC-32 (unless 0). Blocking.
+
+    Read by hand, not by ``ZipFile.read``: that refuses the CRC of 0 of an archive saved without CRCs.
+    ``None`` for a compressed record (``torch.save`` writes none; one could inflate to any size).
+    """
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    at = _data_start(window, info, window.length)
+    if at is None:
+        return None
+    data = os.pread(window.fd, info.file_size, window.start + at)
+    return None if info.CRC and zlib.crc32(data) != info.CRC else data
+
+
+def raw_location(fd: int, start: int, length: int, sizes: tuple[int, ...], dtype: torch.dtype) -> Raw | None:
+    """Where the raw row-major bytes of the tensor saved at ``[start, +length)`` lie, with their CRC-32.
 
     Found only for a tensor of ``sizes`` and ``dtype``, as the metadata says it is.
 
     ``None`` when the blob is anything else (another dtype or layout, a storage larger than the tensor, a
-    big-endian file, an unexpected recipe): the caller then decodes it with ``torch.load``. Blocking.
+    big-endian file, an unexpected recipe, a ``data.pkl`` that fails its CRC-32): the caller then decodes
+    it with ``torch.load``, after :func:`damaged_record`. Blocking.
     """
     window = _Window(fd, start, length)
     try:
@@ -173,13 +214,13 @@ def raw_location(fd: int, start: int, length: int, sizes: tuple[int, ...], dtype
             if pkl is None:
                 return None
             prefix = pkl[: -len("data.pkl")]
-            if f"{prefix}byteorder" in zf.namelist() and zf.read(f"{prefix}byteorder") != b"little":
+            order = f"{prefix}byteorder"
+            if order in zf.namelist() and _record(window, zf.getinfo(order)) != b"little":
                 return None
-            recipe = zf.getinfo(pkl)
-            # torch.save stores its records; a compressed one could inflate to any size in memory here.
-            if recipe.compress_type != zipfile.ZIP_STORED or recipe.file_size > length:
+            pickled = _record(window, zf.getinfo(pkl))
+            if pickled is None:
                 return None
-            found = _PlainTensorUnpickler(io.BytesIO(zf.read(recipe))).load()
+            found = _PlainTensorUnpickler(io.BytesIO(pickled)).load()
             if not isinstance(found, _Rebuild):
                 return None
             info = zf.getinfo(f"{prefix}data/{found.key}")
@@ -194,14 +235,28 @@ def raw_location(fd: int, start: int, length: int, sizes: tuple[int, ...], dtype
             or info.file_size != nbytes
         ):
             return None
-        window.seek(info.header_offset)
-        header = window.read(_LOCAL_HEADER.size)
-        if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-            return None
-        name_len, extra_len = _LOCAL_HEADER.unpack(header)[-2:]
-        data = info.header_offset + _LOCAL_HEADER.size + int(name_len) + int(extra_len)
-        if data + nbytes > length:
-            return None
-        return start + data
+        data = _data_start(window, info, length)
+        return None if data is None else Raw(start + data, info.CRC)
     except Exception:  # anything unexpected: the caller decodes the blob with torch.load, which checks it
         return None
+
+
+def damaged_record(blob: bytes) -> str | None:
+    """The name of the first stored record of the zip archive ``blob`` whose bytes fail its CRC-32.
+
+    Records whose CRC is 0 (saved without CRCs) are not checked, nor are compressed ones (``torch.save``
+    writes none). ``None`` also when ``blob`` is no archive this can walk: ``torch.load`` reports that.
+    Blocking.
+    """
+    f = io.BytesIO(blob)
+    try:
+        with zipfile.ZipFile(f) as zf:
+            infos = zf.infolist()
+        for info in infos:
+            if info.CRC and info.compress_type == zipfile.ZIP_STORED:
+                at = _data_start(f, info, len(blob))
+                if at is not None and zlib.crc32(memoryview(blob)[at : at + info.file_size]) != info.CRC:
+                    return info.filename
+    except Exception:  # not an archive zipfile reads: torch.load reports it
+        return None
+    return None
