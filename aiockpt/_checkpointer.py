@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import time
@@ -11,7 +12,7 @@ import warnings
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, TypeGuard, TypeVar, overload
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -242,6 +243,71 @@ def delete_steps(root: Path, steps: Iterable[int]) -> list[int]:
     return list(trashed)
 
 
+def _steps_text(steps: Sequence[int], most: int = 6) -> str:
+    """``[3, 6, 9, 10]``; a long list shortened to its ends: ``[1, 2, 3, ..., 7, 8, 9] (9 steps)``."""
+    if len(steps) <= most:
+        return str(list(steps))
+    half = most // 2
+    head, tail = ", ".join(map(str, steps[:half])), ", ".join(map(str, steps[-half:]))
+    return f"[{head}, ..., {tail}] ({len(steps)} steps)"
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an int proper: ``True`` is an int to Python, but as a count it is a mistake."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(
+    *,
+    keep_last: object,
+    keep_every: object,
+    max_inflight: object,
+    on_busy: object,
+    allow_pickle: object,
+    io: object,
+    staging_budget: object,
+    collective_timeout: object,
+    use_collectives: object,
+    s3: object,
+) -> None:
+    """Refuse the :class:`Checkpointer` arguments of a wrong type or out of range, naming the argument.
+
+    Eagerly, in the constructor: a float ``keep_last`` (from a YAML config, say) would otherwise only
+    fail at each commit's pruning (a slice index), and a float ``max_inflight`` at open.
+
+    Raises:
+        CheckpointError: An argument has a wrong type or is out of range; the message names it and its
+            value.
+    """
+
+    def refuse(name: str, expected: str, value: object) -> CheckpointError:
+        return CheckpointError(f"{name} must be {expected}, not {value!r}")
+
+    for name, count in (("keep_last", keep_last), ("keep_every", keep_every)):
+        if count is not None and not (_is_int(count) and count >= 1):
+            raise refuse(name, "an int of at least 1 or None", count)
+    if not (_is_int(max_inflight) and max_inflight >= 1):
+        raise refuse("max_inflight", "an int of at least 1", max_inflight)
+    if not isinstance(on_busy, str) or on_busy not in ("wait", "skip", "error"):
+        raise refuse("on_busy", "'wait', 'skip' or 'error'", on_busy)
+    # A truthy non-bool (the str "false" from a config file) must not turn unpickling on.
+    for name, flag in (("allow_pickle", allow_pickle), ("use_collectives", use_collectives)):
+        if not isinstance(flag, bool):
+            raise refuse(name, "a bool", flag)
+    if io is not None and not isinstance(io, IOConfig):
+        raise refuse("io", "an aiockpt.IOConfig or None", io)
+    if staging_budget is not None and not (_is_int(staging_budget) and staging_budget >= 0):
+        raise refuse("staging_budget", "a byte count (an int of at least 0) or None", staging_budget)
+    if not (
+        isinstance(collective_timeout, (int, float))
+        and not isinstance(collective_timeout, bool)
+        and 0 < collective_timeout < math.inf  # (also refuses nan)
+    ):
+        raise refuse("collective_timeout", "a positive, finite number of seconds", collective_timeout)
+    if s3 is not None and not isinstance(s3, S3Options):
+        raise refuse("s3", "an aiockpt.S3Options or None", s3)
+
+
 class Checkpointer:
     """Checkpoints of one training run or service under ``root``, one directory per step.
 
@@ -252,7 +318,10 @@ class Checkpointer:
     Args:
         root: The directory holding ``step-NNNNNNNN`` checkpoints and the ``latest`` pointer, or an
             ``s3://bucket/prefix`` URL of an S3-compatible object store (``aiockpt[s3]``).
-        keep_last: Keep only the newest ``keep_last`` committed steps (``None``: keep all).
+        keep_last: Keep only the newest ``keep_last`` committed steps (``None``: keep all). The newest by
+            number, whatever the order they were saved in: a step saved below them (a new run counting
+            from 1 again in the root of an old one) is deleted as soon as its save commits it, with a
+            :class:`RuntimeWarning` saying so.
         keep_every: Also keep every step divisible by ``keep_every``, permanently.
         max_inflight: Saves allowed in flight at once (staging, writing or committing).
         on_busy: What a save does while ``max_inflight`` saves are in flight: ``"wait"`` for a slot,
@@ -275,8 +344,9 @@ class Checkpointer:
         s3: Object-store settings for an ``s3://`` root (default: from the AWS environment variables).
 
     Raises:
-        CheckpointError: An argument is out of range, or ``on_busy`` is not ``"wait"`` in a distributed
-            job (each rank would decide on its own whether to skip, and the others would wait for it).
+        CheckpointError: An argument has a wrong type (``keep_last=2.5``) or is out of range (the
+            message names it), or ``on_busy`` is not ``"wait"`` in a distributed job (each rank would
+            decide on its own whether to skip, and the others would wait for it).
     """
 
     def __init__(
@@ -295,16 +365,18 @@ class Checkpointer:
         use_collectives: bool = True,
         s3: S3Options | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise CheckpointError(f"keep_last must be at least 1 or None, not {keep_last}")
-        if keep_every is not None and keep_every < 1:
-            raise CheckpointError(f"keep_every must be at least 1 or None, not {keep_every}")
-        if max_inflight < 1:
-            raise CheckpointError(f"max_inflight must be at least 1, not {max_inflight}")
-        if on_busy not in ("wait", "skip", "error"):
-            raise CheckpointError(f"on_busy must be 'wait', 'skip' or 'error', not {on_busy!r}")
-        if staging_budget is not None and staging_budget < 0:
-            raise CheckpointError(f"staging_budget must be a byte count or None, not {staging_budget}")
+        _check_arguments(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            max_inflight=max_inflight,
+            on_busy=on_busy,
+            allow_pickle=allow_pickle,
+            io=io,
+            staging_budget=staging_budget,
+            collective_timeout=collective_timeout,
+            use_collectives=use_collectives,
+            s3=s3,
+        )
         self.root = resolve(root, s3)
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -605,6 +677,25 @@ class Checkpointer:
                     RuntimeWarning,
                     stacklevel=2,
                 )
+                return
+            if step not in self._steps:
+                # Retention took out the step just committed: deliberate (it keeps the newest steps,
+                # whatever order they came in), but the save returns normally and loads go on finding
+                # the newer steps, so say so. Saves in order of steps never get here: the step each
+                # commits is the newest, which retention keeps.
+                warnings.warn(
+                    f"step {step} was deleted from {self.root} at once, by retention, right after its "
+                    f"save committed it: retention ({self._retention_text()}) keeps steps "
+                    f"{_steps_text(self._steps)}, and step {step} is older. A run that numbers its steps "
+                    "from the start again needs a root of its own",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _retention_text(self) -> str:
+        """``keep_last=2, keep_every=100``, the retention settings, for messages."""
+        text = f"keep_last={self.keep_last}"
+        return text if self.keep_every is None else f"{text}, keep_every={self.keep_every}"
 
     async def _publish_and_prune(self) -> None:
         steps = list(self._steps)

@@ -223,6 +223,13 @@ def _utf8(s: str) -> bool:
     return True
 
 
+def _int_text(value: int) -> str:
+    """``value`` in decimal, or its size when that would be long (or beyond ``str``'s digit limit)."""
+    if value.bit_length() <= 256:
+        return str(value)
+    return f"{'-' if value < 0 else ''}<{value.bit_length()} bits>"
+
+
 class _Flattener:
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
@@ -328,6 +335,13 @@ class _Flattener:
 
     def fallback(self, obj: object, path: KeyPath) -> PickleNode:
         if not self.allow_pickle:
+            if type(obj) is int:  # (an int in range is a ValueNode: only one outside it gets here)
+                raise StateError(
+                    f"cannot save the int {_int_text(obj)} at key {render(path)!r}: it is outside the ints "
+                    "a checkpoint stores as plain values ([-2**63, 2**64 - 1]); pass allow_pickle=True to "
+                    "store it pickled (loading pickles can run code)",
+                    key=render(path),
+                )
             raise StateError(
                 f"cannot save {type_name(obj)} at key {render(path)!r} without pickle; "
                 "pass allow_pickle=True to store arbitrary objects (loading them can run code)",
@@ -354,7 +368,8 @@ def flatten(state: Mapping[str, object], *, allow_pickle: bool) -> Flattened:
 
     Raises:
         StateError: ``state`` is not a mapping, a key has an unsupported type or value (an int key outside
-            int64/uint64, a str that is not valid Unicode), an object cannot be stored, or the state
+            int64/uint64, a str that is not valid Unicode), an object cannot be stored (without
+            ``allow_pickle``: an object of another type, or an int value outside int64/uint64), or the state
             contains a cycle or nests containers more than :data:`MAX_DEPTH` levels deep; the message
             names the key path.
     """

@@ -29,7 +29,7 @@ from ._errors import CheckpointError
 from ._format import Key
 from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
 from ._options import IOConfig
-from ._storage import Location
+from ._storage import Location, S3Options
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -233,7 +233,13 @@ class SyncSaveHandle:
 class Checkpointer:
     """The blocking twin of :class:`aiockpt.Checkpointer`; use it as a context manager.
 
-    Takes the same arguments. Background saves run on a private event-loop thread.
+    Takes the same arguments (``s3=`` included), checked alike. Background saves run on a private
+    event-loop thread.
+
+    Raises:
+        CheckpointError: An argument has a wrong type or is out of range (see
+            :class:`aiockpt.Checkpointer`).
+        StorageError: ``root`` cannot be made or listed.
     """
 
     def __init__(
@@ -250,7 +256,10 @@ class Checkpointer:
         process_group: ProcessGroup | None = None,
         collective_timeout: float = DEFAULT_TIMEOUT,
         use_collectives: bool = True,
+        s3: S3Options | None = None,
     ) -> None:
+        # Built (and its arguments checked) before the event-loop thread starts: a bad argument costs
+        # no thread.
         self._ckpt = AsyncCheckpointer(
             root,
             keep_last=keep_last,
@@ -263,6 +272,7 @@ class Checkpointer:
             process_group=process_group,
             collective_timeout=collective_timeout,
             use_collectives=use_collectives,
+            s3=s3,
         )
         self._portal, self._thread = _start_portal()
         self._closing = threading.Lock()  # one close at a time (several threads may close)
@@ -392,11 +402,29 @@ def save(
     allow_pickle: bool = False,
     metadata: dict[str, str | int | float | bool | None] | None = None,
     io: IOConfig | None = None,
+    process_group: ProcessGroup | None = None,
+    collective_timeout: float = DEFAULT_TIMEOUT,
+    use_collectives: bool = True,
+    s3: S3Options | None = None,
 ) -> Metadata:
-    """Save ``state`` to ``path`` and return once durable; see :func:`aiockpt.save`."""
+    """Save ``state`` to ``path`` and return once durable; see :func:`aiockpt.save`.
+
+    Takes the same arguments but ``async_op``: the event loop of the call ends with it, so a save that
+    goes on in the background has no loop to go on in (:class:`Checkpointer` has one).
+    """
 
     async def run() -> Metadata:
-        return await _api.save(state, path, allow_pickle=allow_pickle, metadata=metadata, io=io)
+        return await _api.save(
+            state,
+            path,
+            allow_pickle=allow_pickle,
+            metadata=metadata,
+            io=io,
+            process_group=process_group,
+            collective_timeout=collective_timeout,
+            use_collectives=use_collectives,
+            s3=s3,
+        )
 
     return _run(run, "save")
 
@@ -408,12 +436,13 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     io: IOConfig | None = None,
+    s3: S3Options | None = None,
     rank: int | None = None,
 ) -> MutableMapping[str, object]:
     """Load ``path`` into ``state`` in place (``rank``'s per-rank state); see :func:`aiockpt.load`."""
 
     async def run() -> MutableMapping[str, object]:
-        return await _api.load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, rank=rank)
+        return await _api.load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, s3=s3, rank=rank)
 
     return _run(run, "load")
 
@@ -423,11 +452,12 @@ def read(
     *,
     allow_pickle: bool = False,
     io: IOConfig | None = None,
+    s3: S3Options | None = None,
     rank: int | None = None,
 ) -> dict[Key, object]:
     """Read ``path`` as a fresh tree of CPU tensors (``rank``'s per-rank state); see :func:`aiockpt.read`."""
 
     async def run() -> dict[Key, object]:
-        return await _api.read(path, allow_pickle=allow_pickle, io=io, rank=rank)
+        return await _api.read(path, allow_pickle=allow_pickle, io=io, s3=s3, rank=rank)
 
     return _run(run, "read")

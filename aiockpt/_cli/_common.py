@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import math
 import os
@@ -10,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import click
 from rich.console import Console
@@ -28,21 +31,101 @@ from .._errors import CheckpointNotFoundError
 from .._load import is_checkpoint
 from .._storage import local
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
 # Piped output is read by people with wide terminals, by grep and by tests: wide enough that key paths
 # seldom fold. An explicit COLUMNS wins.
 _PIPE_WIDTH = 200
 _KEY_WIDTH = 60
 
 
+class _WholeWrites(io.RawIOBase):
+    """A file descriptor each ``write`` to which writes all its bytes, or raises (``BrokenPipeError``).
+
+    Python's own stdout does not: a write that a pipe's reader leaves half done (``| head``) returns
+    short, and its text layer drops the rest without a word, so a command whose last write that was
+    would end as if its output were all out (status 0). Here the rest is written again, and the closed
+    pipe raises.
+    """
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+    def write(self, b: ReadableBuffer) -> int:
+        with memoryview(b) as view, view.cast("B") as data:
+            done = 0
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        return done
+
+
+@contextlib.contextmanager
+def stdout_written_whole() -> Iterator[None]:
+    """Within the block, ``sys.stdout`` writes through :class:`_WholeWrites`: a closed pipe always raises.
+
+    Only the process's own stdout is replaced, and put back after; one a caller replaced already (a
+    test capturing it) is left alone. A closed pipe costs what was still pending in the block's stdout;
+    the process's stdout holds nothing that a flush at exit could fail on.
+    """
+    real = sys.stdout
+    try:
+        fd = real.fileno() if sys.stdout is sys.__stdout__ else -1
+    except (OSError, ValueError):  # no file descriptor
+        fd = -1
+    if fd < 0:
+        yield
+        return
+    real.flush()
+    # No buffer between the two: what a failed write held is dropped with it, so no later flush (at the
+    # end of the block, at exit) fails again. (Typed as the buffered writer that TextIOWrapper's stub
+    # names; it calls only what a raw stream has.)
+    raw = cast("io.BufferedWriter", _WholeWrites(fd))
+    line_buffering = bool(real.line_buffering)
+    whole = io.TextIOWrapper(raw, encoding=real.encoding, errors=real.errors, line_buffering=line_buffering)
+    sys.stdout = whole
+    try:
+        yield
+    finally:
+        sys.stdout = real
+        # A failed flush drops what was pending: the detach after it (which flushes too) cannot fail.
+        with contextlib.suppress(OSError, ValueError):
+            whole.flush()
+        with contextlib.suppress(OSError, ValueError):
+            whole.detach()
+
+
+class _Console(Console):
+    """A rich console whose closed output (``aiockpt inspect ROOT | head``) raises ``BrokenPipeError``.
+
+    As ``click.echo`` does there; rich's own handling exits with status 1, which the command line means
+    as damage found. The command group turns the error into its exit code (see ``_app``).
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more is written: the reader is gone
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
 def stdout() -> Console:
     """The console for a command's tables (plain lines go through ``click.echo``)."""
     wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(highlight=False, width=_PIPE_WIDTH if wide else None)
+    return _Console(highlight=False, width=_PIPE_WIDTH if wide else None)
 
 
 def stderr() -> Console:
     """The console for progress bars."""
-    return Console(stderr=True, highlight=False)
+    return _Console(stderr=True, highlight=False)
 
 
 def show_progress(no_progress: bool) -> bool:
