@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import sync
 from ._api import load as load
 from ._api import read as read
+from ._api import read_metadata as read_metadata
 from ._api import save as save
 from ._checkpointer import Checkpointer as Checkpointer
 from ._checkpointer import OnBusy as OnBusy
@@ -72,6 +73,7 @@ __all__ = [
     "convert",
     "load",
     "read",
+    "read_metadata",
     "save",
     "sync",
     "verify",

@@ -13,10 +13,11 @@ if TYPE_CHECKING:
 import anyio
 
 from ._dist import DEFAULT_TIMEOUT
+from ._errors import FormatError
 from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._interop import detect, load_foreign, read_foreign
-from ._load import run_load, run_read
+from ._load import run_load, run_metadata, run_read
 from ._load._ranks import checked_rank, this_rank
 from ._memory import ONE_SHOT_PINNED, StagingPool
 from ._options import IOConfig
@@ -240,3 +241,32 @@ async def read(
         assert isinstance(target, Path)
         return await read_foreign(target, kind, allow_pickle=allow_pickle, io=io or IOConfig())
     return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen)
+
+
+async def read_metadata(path: str | os.PathLike[str], *, s3: S3Options | None = None) -> Metadata:
+    """What the committed checkpoint at ``path`` holds, from its manifest alone (no tensor is read).
+
+    ``user_metadata`` is the ``metadata=`` it was saved with, to pick a checkpoint by a value saved
+    with it (an evaluation loss, say) without loading any. ``timings``, ``written_bytes`` and
+    ``direct_bytes`` describe a save as it ran and are not stored: they are empty here. For a
+    collective-free checkpoint (one part per rank) the parts' merge is described, with a
+    ``manifest_crc32c`` of 0 (there is no one manifest).
+
+    Args:
+        path: A checkpoint directory or an ``s3://bucket/prefix`` URL.
+        s3: Object-store settings for an ``s3://`` path (default: from the AWS environment variables).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+        FormatError: The manifest is unreadable or from a newer format, or ``path`` is a foreign
+            checkpoint (DCP, safetensors, ``torch.save``), which has no aiockpt metadata.
+        CorruptionError: The manifest's checksum does not match (names the file).
+    """
+    target = resolve(path, s3)
+    if not isinstance(target, S3Path):
+        kind = await run_sync(lambda: detect(target))
+        if kind != "aiockpt":
+            raise FormatError(
+                f"{target} is a {kind} checkpoint, which has no aiockpt metadata", file=str(target)
+            )
+    return await run_metadata(target)

@@ -33,7 +33,7 @@ from ._errors import (
 from ._format import MANIFEST_NAME, Key, part_dir_name
 from ._fs import TMP_PREFIX, collect_garbage, flocked, fsync_dir, remove_tree, replace_durable
 from ._handle import Metadata, SaveHandle, SaveState
-from ._load import is_checkpoint, run_load, run_read
+from ._load import is_checkpoint, run_load, run_metadata, run_read
 from ._memory import StagingPool
 from ._options import IOConfig
 from ._runner import start_background, start_soon
@@ -922,6 +922,21 @@ class Checkpointer:
             return await run_read(path, allow_pickle=self.allow_pickle, io=self.io, rank=self._rank)
 
         done = await self._with_step(step, run)
+        if done is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}")
+        return done[1]
+
+    async def metadata(self, step: int | None = None) -> Metadata:
+        """The :class:`Metadata` of checkpoint ``step`` (default: the latest), from its manifest alone.
+
+        Its ``user_metadata`` is the ``metadata=`` the step was saved with: to choose a step by a value
+        saved with it (an evaluation loss, say) without loading any. See :func:`aiockpt.read_metadata`.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed, or there is no checkpoint at all.
+            CorruptionError: The manifest's checksum does not match (names the file).
+        """
+        done = await self._with_step(step, run_metadata)
         if done is None:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}")
         return done[1]

@@ -35,6 +35,10 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
         written_bytes: Bytes this rank wrote to data files.
         direct_bytes: Of ``written_bytes``, those written with ``O_DIRECT`` (see
             :attr:`SaveMetrics.direct_bytes`).
+        user_metadata: The ``metadata=`` given to the save.
+
+    Read back from a committed checkpoint (:func:`aiockpt.read_metadata`), ``timings`` is empty and
+    ``written_bytes`` and ``direct_bytes`` are 0: they describe a save as it ran, and are not stored.
     """
 
     path: str
@@ -48,6 +52,7 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
     timings: dict[str, float]
     written_bytes: int = 0
     direct_bytes: int = 0
+    user_metadata: dict[str, str | int | float | bool | None] = {}
 
 
 class SaveState(enum.Enum):

@@ -34,7 +34,7 @@ from ._storage import Location, S3Options
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Checkpointer", "SyncSaveHandle", "load", "read", "save"]
+__all__ = ["Checkpointer", "SyncSaveHandle", "load", "read", "read_metadata", "save"]
 
 T = TypeVar("T")
 
@@ -349,6 +349,10 @@ class Checkpointer:
         """Read ``step`` (default: latest) as a fresh tree; see :meth:`aiockpt.Checkpointer.read`."""
         return self._call(lambda: self._ckpt.read(step))
 
+    def metadata(self, step: int | None = None) -> Metadata:
+        """The metadata of ``step`` (default: latest); see :meth:`aiockpt.Checkpointer.metadata`."""
+        return self._call(lambda: self._ckpt.metadata(step))
+
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
         return self._call(self._ckpt.refresh)
@@ -461,3 +465,12 @@ def read(
         return await _api.read(path, allow_pickle=allow_pickle, io=io, s3=s3, rank=rank)
 
     return _run(run, "read")
+
+
+def read_metadata(path: str | os.PathLike[str], *, s3: S3Options | None = None) -> Metadata:
+    """What the checkpoint at ``path`` holds, from its manifest; see :func:`aiockpt.read_metadata`."""
+
+    async def run() -> Metadata:
+        return await _api.read_metadata(path, s3=s3)
+
+    return _run(run, "read_metadata")

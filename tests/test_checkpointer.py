@@ -546,3 +546,18 @@ async def test_a_root_that_is_a_file_or_is_gone_is_a_storage_error(root: Path) -
         await anyio.to_thread.run_sync(shutil.rmtree, root)
         with pytest.raises(aiockpt.StorageError, match=str(root)):
             await ckpt.refresh()
+
+
+async def test_metadata_of_a_step_gives_what_it_was_saved_with(tmp_path: Path) -> None:
+    async with aiockpt.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(aiockpt.CheckpointNotFoundError, match="no committed checkpoint"):
+            await ckpt.metadata()
+        for step, loss in ((1, 0.5), (2, 0.25), (3, 0.4)):
+            await ckpt.save({"w": torch.full((4,), float(step))}, step=step, metadata={"loss": loss})
+        losses = {s: (await ckpt.metadata(s)).user_metadata["loss"] for s in ckpt.steps()}
+        assert losses == {1: 0.5, 2: 0.25, 3: 0.4}
+        assert (await ckpt.metadata()).step == 3  # the latest
+        with pytest.raises(aiockpt.CheckpointNotFoundError):
+            await ckpt.metadata(7)
+    with aiockpt.sync.Checkpointer(tmp_path) as blocking:
+        assert blocking.metadata(2).user_metadata == {"loss": 0.25}

@@ -273,3 +273,16 @@ async def test_ranks_taking_turns_keep_latest_on_the_newest_step_and_the_root_li
     assert all(row["committed"] and row["problem"] is None for row in doc["steps"])
     assert [row["step"] for row in doc["steps"] if row["latest"]] == [6]
     assert doc["latest"] == step_dir(6)
+
+
+async def test_read_metadata_of_a_part_set_describes_the_merge(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    async with rank(root, 0) as r0, rank(root, 1) as r1:
+        await r0.save(state_for(0, 2), step=2, metadata={"loss": 0.5})
+        with pytest.raises(aiockpt.CheckpointNotFoundError, match="parts"):  # one part of two
+            await aiockpt.read_metadata(root / step_dir(2))
+        await r1.save(state_for(1, 2), step=2, metadata={"loss": 0.5})
+    meta = await aiockpt.read_metadata(root / step_dir(2))
+    assert (meta.step, meta.world_size, meta.manifest_crc32c) == (2, 2, 0)
+    assert meta.user_metadata == {"loss": 0.5}
+    assert meta.num_tensors == 2  # each rank's own "w" (their values differ)

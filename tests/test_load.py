@@ -6,7 +6,9 @@ import math
 import os
 from itertools import pairwise
 from pathlib import Path
+from typing import cast
 
+import anyio.to_thread
 import crc32c
 import msgspec
 import pytest
@@ -150,12 +152,14 @@ async def test_an_older_torchs_lr_scheduler_loads_strictly(ckpt_path: Path) -> N
 
 
 def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
-    if how == "compiled":
-        return torch.compile(model, backend="eager")  # (compiles lazily: never run here)
+    if how == "both":
+        model = torch.nn.DataParallel(model)
+    if how in ("compiled", "both"):
+        compiled = torch.compile(model, backend="eager")  # (compiles lazily: never run here)
+        assert isinstance(compiled, torch.nn.Module)  # an OptimizedModule: names under "_orig_mod."
+        return compiled
     if how == "data_parallel":
         return torch.nn.DataParallel(model)  # names under "module." (as DistributedDataParallel's)
-    if how == "both":
-        return torch.compile(torch.nn.DataParallel(model), backend="eager")
     return model
 
 
@@ -177,9 +181,8 @@ async def test_a_wrapped_models_state_loads_into_the_model_wrapped_otherwise(
     await aiockpt.load({"model": target}, ckpt_path)  # strict: no difference
     assert_tree_equal(model2.state_dict(), model.state_dict())
     # Fresh reads show the names as saved.
-    assert any(k.startswith(("_orig_mod.", "module.")) for k in (await aiockpt.read(ckpt_path))["model"]) == (
-        saved != "plain"
-    )
+    names = cast("dict[str, object]", (await aiockpt.read(ckpt_path))["model"])
+    assert any(k.startswith(("_orig_mod.", "module.")) for k in names) == (saved != "plain")
 
 
 async def test_names_that_differ_beyond_wrappers_are_still_differences(ckpt_path: Path) -> None:
@@ -195,6 +198,26 @@ async def test_names_that_differ_beyond_wrappers_are_still_differences(ckpt_path
     shorter = torch.nn.Sequential(torch.nn.Linear(4, 8))
     with pytest.raises(StateMismatchError, match=r"model/_orig_mod\.4\.weight: unexpected key"):
         await aiockpt.load({"model": _wrap(shorter, "data_parallel")}, ckpt_path)
+
+
+async def test_read_metadata_gives_what_the_save_returned_and_the_user_metadata(ckpt_path: Path) -> None:
+    values: dict[str, str | int | float | bool | None] = {"loss": 0.25, "git": "abc123", "best": True}
+    saved = await aiockpt.save({"model": make_model(0), "step": 3}, ckpt_path, metadata=values)
+    assert saved.user_metadata == values
+    meta = await aiockpt.read_metadata(ckpt_path)
+    assert meta.user_metadata == values
+    # Everything the manifest says is as the save returned it; how the save ran is not stored.
+    expected = msgspec.structs.replace(saved, timings={}, written_bytes=0, direct_bytes=0)
+    assert meta == expected
+    assert await anyio.to_thread.run_sync(aiockpt.sync.read_metadata, ckpt_path) == expected
+
+    with pytest.raises(aiockpt.CheckpointNotFoundError):
+        await aiockpt.read_metadata(ckpt_path.with_name("nothing"))
+    safetensors = pytest.importorskip("safetensors.torch")
+    foreign = ckpt_path.with_name("w.safetensors")
+    safetensors.save_file({"w": torch.ones(2)}, str(foreign))
+    with pytest.raises(aiockpt.FormatError, match="safetensors checkpoint, which has no aiockpt metadata"):
+        await aiockpt.read_metadata(foreign)
 
 
 async def test_module_tensors_are_loaded_in_place(ckpt_path: Path) -> None:

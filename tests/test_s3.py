@@ -9,6 +9,7 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import msgspec
 import obstore
 import pytest
 import torch
@@ -101,8 +102,11 @@ def zeros_like(state: object) -> object:
 async def test_round_trip_of_a_mixed_state_with_multipart_uploads(server: S3Server, bucket: str) -> None:
     state = mixed_state(1)
     url = f"s3://{bucket}/run1/ckpt-a"
-    meta = await aiockpt.save(state, url, io=IO, s3=OPTS)
+    meta = await aiockpt.save(state, url, io=IO, s3=OPTS, metadata={"loss": 0.5})
     assert meta.path == url
+    assert await aiockpt.read_metadata(url, s3=OPTS) == msgspec.structs.replace(
+        meta, timings={}, written_bytes=0, direct_bytes=0
+    )
     assert [f.name for f in meta.files] == ["data-r00000.bin"]
     assert await keys(bucket, "run1/ckpt-a") == [
         "run1/ckpt-a/data-r00000.bin",

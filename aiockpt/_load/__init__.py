@@ -18,12 +18,13 @@ import torch
 
 from .._cuda import noting
 from .._errors import FormatError, StateError, StateMismatchError, StateMismatchWarning
-from .._format import RANKS_VERSION, Key, Manifest
+from .._format import MANIFEST_NAME, RANKS_VERSION, Key, Manifest
+from .._handle import Metadata
 from .._options import IOConfig
 from .._storage import Location, S3Path
 from .._threads import release, responsive, run_sync
 from .._tree import render
-from ._manifest import is_checkpoint, published_parts, read_manifest
+from ._manifest import decode_summary, is_checkpoint, published_parts, read_manifest, read_summary
 from ._mapped import Mapper
 from ._match import LoadPlan, match
 from ._ranks import project
@@ -37,6 +38,7 @@ __all__ = [
     "read_manifest",
     "readable",
     "run_load",
+    "run_metadata",
     "run_read",
     "settle",
 ]
@@ -244,3 +246,42 @@ async def _read_fresh(
     del manifest, plan
     await release(box, limiter)
     return result
+
+
+async def run_metadata(path: Location, limiter: anyio.CapacityLimiter | None = None) -> Metadata:
+    """The :class:`Metadata` of the committed checkpoint at ``path`` (see :func:`aiockpt.read_metadata`).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+        FormatError: The manifest is unreadable or from a newer format.
+        CorruptionError: The manifest's checksum does not match (names the file).
+        StorageError: Object storage could not be read.
+    """
+    if isinstance(path, S3Path):
+        from .._storage._s3 import get, url
+        from .._storage._s3 import read_manifest as read_object_manifest
+
+        raw = await get(path, MANIFEST_NAME)
+        if raw is None:
+            await read_object_manifest(path)  # (raises the right CheckpointNotFoundError)
+        assert raw is not None
+        summary = await run_sync(partial(decode_summary, raw, url(path, MANIFEST_NAME)), limiter)
+    else:
+        summary = await run_sync(partial(read_summary, path), limiter)
+    manifest, crc, nbytes = summary
+    metadata = Metadata(
+        path=str(path),
+        step=manifest.step,
+        world_size=manifest.world_size,
+        nbytes=nbytes,
+        num_tensors=len(manifest.tensors),
+        files=manifest.files,
+        created_at=manifest.created_at,
+        manifest_crc32c=crc,
+        timings={},
+        user_metadata=dict(manifest.user_metadata),
+    )
+    box: list[object] = [summary, manifest]  # a large manifest's bookkeeping: freed in a worker thread
+    del summary, manifest
+    await release(box, limiter)
+    return metadata

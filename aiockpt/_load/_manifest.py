@@ -48,6 +48,11 @@ def _read_one(path: Path) -> Manifest:
         FormatError: The manifest is not an aiockpt manifest or has a newer format version.
         CorruptionError: The manifest's checksum does not match (names the file).
     """
+    return _decode(*_raw(path))[0]
+
+
+def _raw(path: Path) -> tuple[bytes, str]:
+    """The bytes of ``path / manifest.msgpack``, and its name for errors (see :func:`_read_one`)."""
     file = path / MANIFEST_NAME
     try:
         with open(file, "rb") as f:
@@ -62,7 +67,7 @@ def _read_one(path: Path) -> Manifest:
         raise CheckpointNotFoundError(f"{path} is not an aiockpt checkpoint: it is not a directory") from None
     except OSError as exc:
         raise FormatError(f"cannot read {file}: {exc.strerror or exc}", file=str(file)) from exc
-    return decode_manifest(raw, str(file))
+    return raw, str(file)
 
 
 def decode_manifest(raw: bytes, file: str) -> Manifest:
@@ -486,6 +491,19 @@ def is_checkpoint(path: Path) -> bool:
         return True
     parts = published_parts(path)
     return parts is not None and len(parts[1]) == parts[0]
+
+
+def read_summary(path: Path) -> tuple[Manifest, int, int]:
+    """The manifest of the checkpoint at ``path``, the checksum of its body, and its tensor bytes. Blocking.
+
+    As :func:`read_manifest` (a collective-free checkpoint is read as the merge of its parts, whose
+    checksum is then 0: there is no one manifest), and raises as it does.
+    """
+    if not os.path.isfile(path / MANIFEST_NAME) and _part_sets(path):
+        manifest, crc = read_manifest(path), 0
+    else:
+        manifest, crc = _decode(*_raw(path))
+    return manifest, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
 def read_manifest(path: Path, *, every_copy: bool = False) -> Manifest:

@@ -424,6 +424,7 @@ async def _save(
         timings=dict(metrics.seconds),
         written_bytes=metrics.written_bytes,
         direct_bytes=metrics.direct_bytes,
+        user_metadata=dict(manifest.user_metadata),
     )
     # Neither name may keep the bookkeeping alive once it is handed to the thread that frees it.
     box: list[object] = [staged, plan, result, summary, manifest]
