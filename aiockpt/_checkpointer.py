@@ -323,7 +323,8 @@ class Checkpointer:
             from 1 again in the root of an old one) is deleted as soon as its save commits it, with a
             :class:`RuntimeWarning` saying so.
         keep_every: Also keep every step divisible by ``keep_every``, permanently.
-        max_inflight: Saves allowed in flight at once (staging, writing or committing).
+        max_inflight: Saves allowed in flight at once (staging, writing or committing); 1 in a
+            distributed job with collectives.
         on_busy: What a save does while ``max_inflight`` saves are in flight: ``"wait"`` for a slot,
             ``"skip"`` itself (the handle says so), or raise :class:`BusyError` (``"error"``).
         allow_pickle: Pickle (and unpickle) objects of other types instead of refusing them.
@@ -345,8 +346,10 @@ class Checkpointer:
 
     Raises:
         CheckpointError: An argument has a wrong type (``keep_last=2.5``) or is out of range (the
-            message names it), or ``on_busy`` is not ``"wait"`` in a distributed job (each rank would
-            decide on its own whether to skip, and the others would wait for it).
+            message names it). Also, once opened in a distributed job with collectives: ``on_busy`` is
+            not ``"wait"`` (each rank would decide on its own whether to skip, and the others would
+            wait for it), or ``max_inflight`` is more than 1 (two saves in flight could reach their
+            collectives in different orders on different ranks).
     """
 
     def __init__(
