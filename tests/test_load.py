@@ -151,6 +151,26 @@ async def test_an_older_torchs_lr_scheduler_loads_strictly(ckpt_path: Path) -> N
         )
 
 
+async def test_an_older_torchs_nested_schedulers_load_strictly(ckpt_path: Path) -> None:
+    """SequentialLR saves its schedulers' states within its own: they lack ``_is_initial`` alike."""
+
+    def sequential(model: torch.nn.Module) -> torch.optim.lr_scheduler.SequentialLR:
+        opt = make_optimizer(model)
+        first = torch.optim.lr_scheduler.LinearLR(opt, total_iters=2)
+        return torch.optim.lr_scheduler.SequentialLR(opt, [first, make_scheduler(opt)], milestones=[2])
+
+    sched = sequential(make_model(0))
+    for _ in range(3):
+        sched.optimizer.step()
+        sched.step()
+    old = sched.state_dict()
+    old["_schedulers"] = [{k: v for k, v in sd.items() if k != "_is_initial"} for sd in old["_schedulers"]]
+    await aiockpt.save({"sched": old}, ckpt_path)
+    sched2 = sequential(make_model(1))
+    await aiockpt.load({"sched": sched2}, ckpt_path)
+    assert (sched2.last_epoch, sched2.get_last_lr()) == (3, sched.get_last_lr())
+
+
 def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
     if how == "both":
         model = torch.nn.DataParallel(model)

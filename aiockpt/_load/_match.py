@@ -171,6 +171,9 @@ class _Matcher:
             self.note_params(obj, template, path)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             self.schedulers.add(path)
+            nested = template.get("_schedulers")  # SequentialLR's and ChainedScheduler's, saved within
+            if isinstance(nested, list):
+                self.schedulers.update((*path, "_schedulers", i) for i in range(len(nested)))
         # A module's state dict lists every entry it has; other Statefuls may grow entries lazily.
         complete = isinstance(obj, torch.nn.Module)
         self.inside_stateful += 1
