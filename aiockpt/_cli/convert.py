@@ -90,7 +90,8 @@ def parse_size(ctx: click.Context | None, param: click.Parameter | None, value: 
     "--rank",
     type=click.IntRange(min=0),
     default=None,
-    help="For SRC saved by several ranks whose states differ (per-rank state): whose to convert (default 0).",
+    help="For SRC saved by several ranks whose states differ (per-rank state): whose to convert (default 0). "
+    "For an aiockpt SRC, a rank that did not save it is refused.",
 )
 @no_progress_option
 @json_option
@@ -112,7 +113,8 @@ def command(
     a safetensors file or Hugging Face directory, or a torch.save file. DST must not exist; it appears
     only once complete (written under a temp name, fsynced, renamed). safetensors holds tensors only:
     other values are refused, with their keys listed, unless --drop-non-tensors. Of a checkpoint whose
-    ranks saved different states (per-rank state), one rank's is converted: --rank, by default 0.
+    ranks saved different states (per-rank state), one rank's is converted: --rank, by default 0 (one of
+    the ranks that saved an aiockpt SRC).
     """
     source, note = resolve_checkpoint(src, step)
     if note is not None and not as_json:

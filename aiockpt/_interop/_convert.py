@@ -4,15 +4,17 @@ Targets: an aiockpt checkpoint, a ``torch.save`` file, safetensors (one file or 
 directory) or a DCP directory.
 
 The source is read whole into CPU memory (:func:`aiockpt.read`), then written by the target's writer into
-a temporary name next to the destination, made durable (fsync) and renamed into place without ever
-replacing an existing path; a failed or cancelled conversion leaves nothing behind.
+a temporary directory next to the destination (a directory output is that directory, a file output lies
+in it), made durable (fsync) and renamed into place without ever replacing an existing path; a failed or
+cancelled conversion leaves nothing behind. The temporary directory is a save's (``_open_tmp``): named
+``.tmp-...`` and owner-locked, so garbage collection (a Checkpointer opening the destination's directory,
+``aiockpt prune``) leaves a conversion in progress alone and removes a crashed one's at once.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -25,16 +27,19 @@ import torch
 
 from .._errors import CheckpointError, CheckpointExistsError, StateError, StorageError
 from .._format import Key, KeyPath
-from .._fs import TMP_PREFIX, fsync_dir, remove_tree, rename_noreplace
+from .._fs import OwnerLock, fsync_dir, rename_noreplace
 from .._handle import SaveMetrics
+from .._load import run_metadata
+from .._load._ranks import checked_rank, this_rank
 from .._memory import StagingPool, byte_view, nbytes_of
 from .._options import IOConfig
-from .._save import SaveRequest, run_save
-from .._storage import local
-from .._threads import run_sync
+from .._save import SaveRequest, _discard_tmp, _open_tmp, run_save
+from .._storage import S3Path, local, resolve
+from .._threads import acquire_sync, run_sync
 from .._tree import dtype_name, render
 from .._world import LocalWorld
-from ._names import join
+from . import detect
+from ._names import is_leaf, join
 from ._safetensors import INDEX_NAME, NAMES, SINGLE_NAME, SUFFIX
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "Target", "convert", "named_tensors"]
@@ -66,6 +71,51 @@ def _tensors(tree: Mapping[Key, object]) -> list[torch.Tensor]:
 _METADATA = "__metadata__"
 
 
+def _claim(names: dict[str, KeyPath], path: KeyPath) -> str:
+    """Record in ``names`` the flat name of ``path`` (its keys joined with ``"."``), and return it.
+
+    safetensors and DCP store each value under such a name, so two paths must never share one.
+
+    Raises:
+        StateError: Another path of ``names`` has that name; names both keys.
+    """
+    name = join(path)
+    if name in names:
+        raise StateError(
+            f"two keys are both named {name!r} once joined with '.': {render(names[name])!r} and "
+            f"{render(path)!r} (rename one)",
+            key=render(path),
+        )
+    names[name] = path
+    return name
+
+
+def check_dcp_names(tree: Mapping[Key, object]) -> None:
+    """Refuse ``tree`` if ``dcp.save`` would store two of its values under one name.
+
+    Values are named as DCP flattens them (see ``_names.is_leaf``), before it sees them: its own
+    refusal arrives wrapped in every rank's traceback.
+
+    Raises:
+        StateError: Two key paths join to one name (names both).
+    """
+    names: dict[str, KeyPath] = {}
+
+    def walk(obj: object, path: KeyPath) -> None:
+        if is_leaf(obj):
+            _claim(names, path)
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, (*path, k))
+        else:
+            assert isinstance(obj, list)  # (is_leaf: a list that holds a tensor or a mapping)
+            for i, v in enumerate(obj):
+                walk(v, (*path, i))
+
+    for k, v in tree.items():
+        walk(v, (k,))
+
+
 def named_tensors(tree: Mapping[Key, object], *, drop_non_tensors: bool) -> list[tuple[str, torch.Tensor]]:
     """The tensors of ``tree`` by safetensors name: key paths joined with ``"."``.
 
@@ -75,13 +125,12 @@ def named_tensors(tree: Mapping[Key, object], *, drop_non_tensors: bool) -> list
             name.
     """
     out: dict[str, torch.Tensor] = {}
+    names: dict[str, KeyPath] = {}
     others: list[KeyPath] = []
 
     def walk(obj: object, path: KeyPath) -> None:
         if isinstance(obj, torch.Tensor):
-            name = join(path)
-            if name in out:
-                raise StateError(f"two keys are both named {name!r} once joined with '.'", key=render(path))
+            name = _claim(names, path)
             if name == _METADATA:
                 raise StateError(
                     f"safetensors reserves the name {_METADATA!r} (for its header's metadata): rename "
@@ -169,8 +218,7 @@ def _shards(items: list[tuple[str, torch.Tensor]], max_size: int) -> list[list[t
 def write_hf_dir(
     directory: Path, items: list[tuple[str, torch.Tensor]], max_size: int, advance: Callable[[int], None]
 ) -> None:
-    """Write ``items`` into the new directory ``directory`` in the Hugging Face layout. Blocking."""
-    os.mkdir(directory)
+    """Write ``items`` into the empty directory ``directory`` in the Hugging Face layout. Blocking."""
     shards = _shards(items, max_size)
     if len(shards) == 1:
         write_safetensors(directory / SINGLE_NAME, items, advance)
@@ -221,7 +269,10 @@ def write_torch(file: Path, tree: Mapping[Key, object]) -> None:
 
 
 def write_dcp(directory: Path, tree: Mapping[Key, object]) -> None:
-    """Save ``tree`` as a DCP directory with ``dcp.save``, in this process alone. Blocking."""
+    """Save ``tree`` into the empty directory ``directory`` with ``dcp.save``, in this process only. Blocking.
+
+    ``tree`` has passed :func:`check_dcp_names`.
+    """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
@@ -234,6 +285,32 @@ def write_dcp(directory: Path, tree: Mapping[Key, object]) -> None:
         except CheckpointException as exc:  # a BaseException: made an ordinary error here
             raise RuntimeError(f"dcp.save failed: {exc}") from exc
     fsync_dir(directory)
+
+
+async def _check_rank(src: str | os.PathLike[str], rank: int, *, given: bool) -> None:
+    """Refuse ``rank`` where the aiockpt checkpoint ``src`` was saved by fewer ranks.
+
+    Such a rank took no part in the save: its state would be only what every rank shared, without the
+    per-rank state the caller meant to export. Foreign sources hold no per-rank state: any rank reads
+    them. ``given``: ``rank`` was passed, not this process's.
+
+    Raises:
+        CheckpointError: ``rank`` is not below the saving world's size (names both).
+        CheckpointNotFoundError: ``src`` is not a committed checkpoint (as :func:`aiockpt.read`).
+        FormatError: Its manifest is unreadable (as :func:`aiockpt.read`).
+    """
+    location = resolve(src)
+    if not isinstance(location, S3Path):
+        kind = await run_sync(lambda: detect(location))
+        if kind != "aiockpt":
+            return
+    world = (await run_metadata(location)).world_size
+    if rank >= world:
+        which = f"rank {rank}" if given else f"rank {rank} (this process's rank in torch.distributed)"
+        raise CheckpointError(
+            f"{which} is not one of the {world} rank(s) that saved {location}: pass a rank from 0 to "
+            f"{world - 1} (--rank on the command line)"
+        )
 
 
 async def convert(
@@ -252,7 +329,8 @@ async def convert(
 
     ``src`` is anything :func:`aiockpt.read` reads: an aiockpt checkpoint, a DCP directory, a
     safetensors file or Hugging Face directory, or a ``torch.save`` file. It is read whole into CPU memory,
-    then written under a temporary name next to ``dst``, made durable and renamed into place.
+    then written into an owner-locked temporary directory next to ``dst`` (as a save is, so that garbage
+    collection in ``dst``'s directory spares it), made durable and renamed into place.
 
     Args:
         src: The checkpoint to read.
@@ -261,7 +339,8 @@ async def convert(
             ``torch.distributed.checkpoint`` directory, written by ``dcp.save``) or ``"safetensors"``: a
             ``dst`` ending in ``.safetensors`` is one file; any other ``dst`` is a Hugging Face directory,
             ``model.safetensors`` or, past ``max_shard_size``, ``model-00001-of-0000N.safetensors`` shards
-            and ``model.safetensors.index.json``. Tensor names are key paths joined with ``"."``.
+            and ``model.safetensors.index.json``. Tensor names (safetensors) and DCP's names are key paths
+            joined with ``"."``.
         allow_pickle: Read pickled objects of the source (only for sources you trust) and let the
             target store them.
         drop_non_tensors: For safetensors, leave out values that are not tensors instead of refusing.
@@ -271,7 +350,8 @@ async def convert(
         io: I/O tuning for reading the source and writing an aiockpt checkpoint.
         rank: Whose per-rank state to convert, for a source saved by several ranks whose states differ
             (see :func:`aiockpt.read`, which reads it): ``None`` is this process's rank, 0 outside a
-            distributed job. The result holds that rank's state alone.
+            distributed job. The result holds that rank's state alone. For an aiockpt source it must be
+            one of the ranks that saved it.
 
     Returns:
         The absolute path of the new checkpoint.
@@ -280,11 +360,13 @@ async def convert(
         CheckpointExistsError: ``dst`` exists.
         CheckpointNotFoundError: ``src`` is not a checkpoint.
         StateError: The source holds what the target cannot (non-tensor values for safetensors, pickled
-            objects without ``allow_pickle``, objects the target's writer refuses); the message lists the
-            keys where known.
+            objects without ``allow_pickle``, objects the target's writer refuses, two keys that join to
+            one name for safetensors or DCP); the message names the keys where known.
         FormatError: The source is unreadable.
         StorageError: Writing failed; nothing is left at ``dst``.
-        CheckpointError: ``to`` or ``max_shard_size`` is invalid (as for every other bad argument).
+        CheckpointError: ``to`` or ``max_shard_size`` is invalid (as for every other bad argument), or
+            ``rank`` is not a rank of the world that saved an aiockpt ``src`` (names the rank and the
+            world's size).
     """
     from .._api import read
 
@@ -292,17 +374,22 @@ async def convert(
         raise CheckpointError(f"to must be 'aiockpt', 'torch', 'safetensors' or 'dcp', not {to!r}")
     if max_shard_size <= 0:
         raise CheckpointError(f"max_shard_size must be positive, not {max_shard_size}")
+    chosen = this_rank() if rank is None else checked_rank(rank)
     io = io or IOConfig()
     target = local(dst, "convert")
     if await run_sync(lambda: os.path.lexists(target)):
         raise CheckpointExistsError(f"{target} already exists; convert never overwrites")
+    if chosen > 0:  # (rank 0 saved every checkpoint)
+        await _check_rank(src, chosen, given=rank is not None)
     # torch.save writes a tensor's whole storage, and DCP clones a tensor whose storage is larger than it:
     # for those, large tensors are read into storages of their own, not mapped from the data files.
     mapped = to in ("aiockpt", "safetensors")
     tree = await read(
-        src, allow_pickle=allow_pickle, io=io if mapped else replace(io, map_reads=False), rank=rank
+        src, allow_pickle=allow_pickle, io=io if mapped else replace(io, map_reads=False), rank=chosen
     )
     items = named_tensors(tree, drop_non_tensors=drop_non_tensors) if to == "safetensors" else []
+    if to == "dcp":
+        check_dcp_names(tree)
     tensors = [t for _, t in items] if to == "safetensors" else _tensors(tree)
     total = sum(nbytes_of(t) for t in tensors)
     done = reported = 0
@@ -331,23 +418,34 @@ async def convert(
             progress(total, total)
         return target
 
-    tmp = target.with_name(f"{TMP_PREFIX}{target.name}-{uuid.uuid4().hex}")
+    directory = to == "dcp" or (to == "safetensors" and not target.name.endswith(SUFFIX))
 
-    def write() -> None:
+    def write(tmp: Path) -> None:
+        # The temp dir stays locked until it is gone: a directory output is renamed away from it, a file
+        # output out of it, and _discard_tmp removes what is left, then the lock.
+        out = tmp if directory else tmp / target.name
         if to == "torch":
-            write_torch(tmp, tree)
+            write_torch(out, tree)
         elif to == "dcp":
-            write_dcp(tmp, tree)
-        elif target.name.endswith(SUFFIX):
-            write_safetensors(tmp, items, advance)
+            write_dcp(out, tree)
+        elif directory:
+            write_hf_dir(out, items, max_shard_size, advance)
         else:
-            write_hf_dir(tmp, items, max_shard_size, advance)
-        rename_noreplace(tmp, target)
+            write_safetensors(out, items, advance)
+        rename_noreplace(out, target)
         fsync_dir(target.parent)
 
+    def open_tmp() -> tuple[Path, OwnerLock]:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _open_tmp(target)
+
     try:
-        await run_sync(lambda: target.parent.mkdir(parents=True, exist_ok=True))
-        await run_sync(write)
+        tmp, lock = await acquire_sync(open_tmp)
+        try:
+            await run_sync(lambda: write(tmp))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await run_sync(lambda: _discard_tmp(tmp, lock))
     except FileExistsError as exc:
         raise CheckpointExistsError(f"{target} already exists; convert never overwrites") from exc
     except OSError as exc:
@@ -356,9 +454,6 @@ async def convert(
         raise
     except Exception as exc:  # torch.save or dcp.save refusing a value of the source
         raise StateError(f"cannot write {target} as {to}: {exc}") from exc
-    finally:
-        with anyio.CancelScope(shield=True):
-            await run_sync(lambda: remove_tree(tmp) if os.path.lexists(tmp) else None)
     if progress is not None and reported < total:
         progress(total, total)
     return target
