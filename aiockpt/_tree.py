@@ -223,7 +223,7 @@ def _utf8(s: str) -> bool:
     return True
 
 
-def _int_text(value: int) -> str:
+def int_text(value: int) -> str:
     """``value`` in decimal, or its size when that would be long (or beyond ``str``'s digit limit)."""
     if value.bit_length() <= 256:
         return str(value)
@@ -337,7 +337,7 @@ class _Flattener:
         if not self.allow_pickle:
             if type(obj) is int:  # (an int in range is a ValueNode: only one outside it gets here)
                 raise StateError(
-                    f"cannot save the int {_int_text(obj)} at key {render(path)!r}: it is outside the ints "
+                    f"cannot save the int {int_text(obj)} at key {render(path)!r}: it is outside the ints "
                     "a checkpoint stores as plain values ([-2**63, 2**64 - 1]); pass allow_pickle=True to "
                     "store it pickled (loading pickles can run code)",
                     key=render(path),

@@ -172,6 +172,8 @@ async def test_an_int_outside_the_stored_range_is_refused_as_such(ckpt_path: Pat
 async def test_a_huge_int_is_refused_without_printing_its_digits(ckpt_path: Path) -> None:
     with pytest.raises(StateError, match=r"the int <20001 bits> at key 'seed'"):
         await aiockpt.save({"seed": 2**20000}, ckpt_path)  # str() would exceed Python's digit limit
+    with pytest.raises(StateError, match=r"metadata key 'seed': the value <20001 bits> is outside"):
+        await aiockpt.save({}, ckpt_path, metadata={"seed": 2**20000})  # (was a bare ValueError)
 
 
 async def test_ints_at_the_ends_of_the_range_are_values_and_beyond_them_pickle_can_store_them(

@@ -32,7 +32,7 @@ from .._format import (
 )
 from .._fs import fsync_dir, rename_noreplace, write_durable
 from .._threads import run_sync
-from .._tree import type_name
+from .._tree import int_text, type_name
 from .._version import __version__
 from ._global_plan import GlobalPlan
 from ._write import WriteResult
@@ -72,7 +72,7 @@ def _metadata_problem(key: object, value: object) -> str | None:
     else:
         return None
     if type(value) is int:
-        return f"the value {value} is outside the ints a manifest can store ([-2**63, 2**64 - 1])"
+        return f"the value {int_text(value)} is outside the ints a manifest can store ([-2**63, 2**64 - 1])"
     if type(value) is str:
         return "the value is not valid Unicode (a lone surrogate) and cannot be encoded as UTF-8"
     return f"the value is a {type_name(value)}; metadata values must be str, int, float, bool or None"
