@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
@@ -13,14 +14,14 @@ if TYPE_CHECKING:
 import anyio
 
 from ._dist import DEFAULT_TIMEOUT
-from ._errors import FormatError
+from ._errors import CheckpointError, FormatError
 from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._interop import detect, load_foreign, read_foreign
 from ._load import run_load, run_metadata, run_read
 from ._load._ranks import checked_rank, this_rank
 from ._memory import ONE_SHOT_PINNED, StagingPool
-from ._options import IOConfig
+from ._options import IOConfig, check_flags
 from ._runner import start_background
 from ._save import SaveRequest, run_save
 from ._storage import S3Options, S3Path, resolve
@@ -109,7 +110,18 @@ async def save(
         StorageError: Writing failed, or ``path``'s name is too long; nothing was published and temp data
             is removed.
         DistributedError: Another rank failed or did not answer in time (names the ranks).
+        CheckpointError: A flag (``async_op``, ``allow_pickle``, ``use_collectives``) is not a bool, or
+            ``collective_timeout`` is not a positive, finite number of seconds.
     """
+    check_flags(async_op=async_op, allow_pickle=allow_pickle, use_collectives=use_collectives)
+    if not (
+        isinstance(collective_timeout, int | float)
+        and not isinstance(collective_timeout, bool)
+        and 0 < collective_timeout < math.inf  # (also refuses nan)
+    ):
+        raise CheckpointError(
+            f"collective_timeout must be a positive, finite number of seconds, not {collective_timeout!r}"
+        )
     target = resolve(path, s3)
     part = part_of(process_group) if not use_collectives else None
     if part is not None:
@@ -184,8 +196,10 @@ async def load(
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
         StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a smaller
             world); names the key.
-        CheckpointError: ``rank`` is not an int of at least 0.
+        CheckpointError: ``rank`` is not an int of at least 0, or ``strict`` or ``allow_pickle`` is not a
+            bool.
     """
+    check_flags(strict=strict, allow_pickle=allow_pickle)
     chosen = this_rank() if rank is None else checked_rank(rank)
     target = resolve(path, s3)
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
@@ -232,8 +246,9 @@ async def read(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateError: A pickled object is stored and ``allow_pickle`` is false, or ``rank`` has no item of
             a list or tuple saved per rank (a rank outside the world that saved it; names the key).
-        CheckpointError: ``rank`` is not an int of at least 0.
+        CheckpointError: ``rank`` is not an int of at least 0, or ``allow_pickle`` is not a bool.
     """
+    check_flags(allow_pickle=allow_pickle)
     chosen = this_rank() if rank is None else checked_rank(rank)
     target = resolve(path, s3)
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))

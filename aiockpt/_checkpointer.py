@@ -35,7 +35,7 @@ from ._fs import TMP_PREFIX, collect_garbage, flocked, fsync_dir, remove_tree, r
 from ._handle import Metadata, SaveHandle, SaveState
 from ._load import is_checkpoint, run_load, run_metadata, run_read
 from ._memory import StagingPool
-from ._options import IOConfig
+from ._options import IOConfig, check_flags
 from ._runner import start_background, start_soon
 from ._save import SaveRequest, run_reserve, run_save
 from ._storage import Location, S3Options, S3Path, resolve
@@ -805,6 +805,7 @@ class Checkpointer:
             StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a
                 smaller world); names the key.
         """
+        check_flags(strict=strict)
 
         async def run(path: Location) -> None:
             await run_load(

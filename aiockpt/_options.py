@@ -27,6 +27,17 @@ def auto_threads() -> int:
     return max(1, min(_MAX_AUTO_THREADS, cpus - 1))
 
 
+def check_flags(**flags: object) -> None:
+    """Refuse a flag that is not a bool: the str ``"false"`` of a config file would turn it on.
+
+    Raises:
+        CheckpointError: A flag is not a bool; the message names it.
+    """
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise CheckpointError(f"{name} must be a bool, not {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class IOConfig:
     """How checkpoint I/O is carried out.

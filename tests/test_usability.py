@@ -9,8 +9,9 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,6 +70,32 @@ def test_checkpointer_refuses_an_argument_of_a_wrong_type_or_range_at_once(
     assert message.startswith(f"{name} must be "), message
     assert message.endswith(f", not {value!r}"), message
     assert not root.exists()  # refused before anything was made
+
+
+async def test_the_functions_refuse_a_flag_that_is_not_a_bool(tmp_path: Path) -> None:
+    """allow_pickle="false" (a str from a config file) is truthy: it used to turn unpickling on."""
+    state: dict[str, object] = {"w": torch.ones(2)}
+    await aiockpt.save(state, tmp_path / "ok")
+    no: Any = "no"  # (what a config file gives; the annotations say bool)
+    ok = tmp_path / "ok"
+    calls: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+        ("allow_pickle", lambda: aiockpt.save(state, tmp_path / "a", allow_pickle=no)),
+        ("async_op", lambda: aiockpt.save(state, tmp_path / "b", async_op=no)),
+        ("use_collectives", lambda: aiockpt.save(state, tmp_path / "c", use_collectives=no)),
+        ("collective_timeout", lambda: aiockpt.save(state, tmp_path / "d", collective_timeout=math.nan)),
+        ("strict", lambda: aiockpt.load(state, ok, strict=no)),
+        ("allow_pickle", lambda: aiockpt.load(state, ok, allow_pickle=no)),
+        ("allow_pickle", lambda: aiockpt.read(ok, allow_pickle=no)),
+        ("allow_pickle", lambda: aiockpt.convert(ok, tmp_path / "e.pt", to="torch", allow_pickle=no)),
+    ]
+    for name, call in calls:
+        with pytest.raises(CheckpointError, match=f"^{name} must be"):
+            await call()
+    async with Checkpointer(tmp_path / "root") as ckpt:
+        await ckpt.save(state, step=1)
+        with pytest.raises(CheckpointError, match=r"^strict must be a bool, not 'no'"):
+            await ckpt.load(state, strict=no)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok", "root"]  # nothing written
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ from .._handle import SaveMetrics
 from .._load import run_metadata
 from .._load._ranks import checked_rank, this_rank
 from .._memory import StagingPool, byte_view, nbytes_of
-from .._options import IOConfig
+from .._options import IOConfig, check_flags
 from .._save import SaveRequest, _discard_tmp, _open_tmp, run_save
 from .._storage import S3Path, local, resolve
 from .._threads import acquire_sync, run_sync
@@ -370,6 +370,7 @@ async def convert(
     """
     from .._api import read
 
+    check_flags(allow_pickle=allow_pickle, drop_non_tensors=drop_non_tensors)
     if to not in ("aiockpt", "torch", "safetensors", "dcp"):
         raise CheckpointError(f"to must be 'aiockpt', 'torch', 'safetensors' or 'dcp', not {to!r}")
     if max_shard_size <= 0:
