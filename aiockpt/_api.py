@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
@@ -14,14 +13,14 @@ if TYPE_CHECKING:
 import anyio
 
 from ._dist import DEFAULT_TIMEOUT
-from ._errors import CheckpointError, FormatError
+from ._errors import FormatError
 from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._interop import detect, load_foreign, read_foreign
 from ._load import run_load, run_metadata, run_read
 from ._load._ranks import checked_rank, this_rank
 from ._memory import ONE_SHOT_PINNED, StagingPool
-from ._options import IOConfig, check_flags
+from ._options import IOConfig, check_flags, check_timeout
 from ._runner import start_background
 from ._save import SaveRequest, run_save
 from ._storage import S3Options, S3Path, resolve
@@ -114,14 +113,7 @@ async def save(
             ``collective_timeout`` is not a positive, finite number of seconds.
     """
     check_flags(async_op=async_op, allow_pickle=allow_pickle, use_collectives=use_collectives)
-    if not (
-        isinstance(collective_timeout, int | float)
-        and not isinstance(collective_timeout, bool)
-        and 0 < collective_timeout < math.inf  # (also refuses nan)
-    ):
-        raise CheckpointError(
-            f"collective_timeout must be a positive, finite number of seconds, not {collective_timeout!r}"
-        )
+    check_timeout(collective_timeout)
     target = resolve(path, s3)
     part = part_of(process_group) if not use_collectives else None
     if part is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import time
@@ -35,7 +34,7 @@ from ._fs import TMP_PREFIX, collect_garbage, flocked, fsync_dir, remove_tree, r
 from ._handle import Metadata, SaveHandle, SaveState
 from ._load import is_checkpoint, run_load, run_metadata, run_read
 from ._memory import StagingPool
-from ._options import IOConfig, check_flags
+from ._options import IOConfig, check_flags, check_timeout
 from ._runner import start_background, start_soon
 from ._save import SaveRequest, run_reserve, run_save
 from ._storage import Location, S3Options, S3Path, resolve
@@ -290,20 +289,12 @@ def _check_arguments(
         raise refuse("max_inflight", "an int of at least 1", max_inflight)
     if not isinstance(on_busy, str) or on_busy not in ("wait", "skip", "error"):
         raise refuse("on_busy", "'wait', 'skip' or 'error'", on_busy)
-    # A truthy non-bool (the str "false" from a config file) must not turn unpickling on.
-    for name, flag in (("allow_pickle", allow_pickle), ("use_collectives", use_collectives)):
-        if not isinstance(flag, bool):
-            raise refuse(name, "a bool", flag)
+    check_flags(allow_pickle=allow_pickle, use_collectives=use_collectives)
     if io is not None and not isinstance(io, IOConfig):
         raise refuse("io", "an aiockpt.IOConfig or None", io)
     if staging_budget is not None and not (_is_int(staging_budget) and staging_budget >= 0):
         raise refuse("staging_budget", "a byte count (an int of at least 0) or None", staging_budget)
-    if not (
-        isinstance(collective_timeout, (int, float))
-        and not isinstance(collective_timeout, bool)
-        and 0 < collective_timeout < math.inf  # (also refuses nan)
-    ):
-        raise refuse("collective_timeout", "a positive, finite number of seconds", collective_timeout)
+    check_timeout(collective_timeout)
     if s3 is not None and not isinstance(s3, S3Options):
         raise refuse("s3", "an aiockpt.S3Options or None", s3)
 

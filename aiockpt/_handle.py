@@ -15,7 +15,7 @@ import anyio.abc
 import msgspec
 
 from ._errors import CheckpointCancelledError, SaveSkippedError
-from ._format import FileInfo
+from ._format import FileInfo, Manifest
 
 
 class Metadata(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +53,30 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
     written_bytes: int = 0
     direct_bytes: int = 0
     user_metadata: dict[str, str | int | float | bool | None] = {}
+
+    @classmethod
+    def of(
+        cls, path: str, manifest: Manifest, crc: int, nbytes: int, metrics: SaveMetrics | None = None
+    ) -> Metadata:
+        """The metadata of the checkpoint at ``path`` that ``manifest`` describes.
+
+        ``crc`` is the checksum of the manifest's body, ``nbytes`` its tensor bytes; how the save ran
+        comes from ``metrics`` (``None``: read back from a committed checkpoint, where it is not stored).
+        """
+        return cls(
+            path=path,
+            step=manifest.step,
+            world_size=manifest.world_size,
+            nbytes=nbytes,
+            num_tensors=len(manifest.tensors),
+            files=manifest.files,
+            created_at=manifest.created_at,
+            manifest_crc32c=crc,
+            timings={} if metrics is None else dict(metrics.seconds),
+            written_bytes=0 if metrics is None else metrics.written_bytes,
+            direct_bytes=0 if metrics is None else metrics.direct_bytes,
+            user_metadata=dict(manifest.user_metadata),
+        )
 
 
 class SaveState(enum.Enum):

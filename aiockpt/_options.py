@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -36,6 +37,22 @@ def check_flags(**flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise CheckpointError(f"{name} must be a bool, not {value!r}")
+
+
+def check_timeout(collective_timeout: object) -> None:
+    """Refuse a ``collective_timeout`` that is not a positive, finite number of seconds (nan included).
+
+    Raises:
+        CheckpointError: It is not; the message names it.
+    """
+    if not (
+        isinstance(collective_timeout, int | float)
+        and not isinstance(collective_timeout, bool)
+        and 0 < collective_timeout < math.inf
+    ):
+        raise CheckpointError(
+            f"collective_timeout must be a positive, finite number of seconds, not {collective_timeout!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

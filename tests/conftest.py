@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -12,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import pytest
 import torch
 
@@ -417,3 +419,19 @@ def ckpt_path(tmp_path: Path) -> Path:
 def root(tmp_path: Path) -> Path:
     """A Checkpointer root that does not exist yet."""
     return tmp_path / "run"
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a child: it imports the very aiockpt this process tests."""
+    here = str(Path(aiockpt.__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+
+
+async def stderr_of(proc: anyio.abc.Process) -> str:
+    """All that ``proc`` writes to its stderr until it closes it, as text."""
+    assert proc.stderr is not None
+    err = b""
+    with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError):
+        while True:
+            err += await proc.stderr.receive()
+    return err.decode(errors="replace")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import anyio.abc
 import anyio.streams.buffered
 import pytest
 import torch
-from conftest import listdir, read_text, tmp_entries
+from conftest import child_env, listdir, read_text, stderr_of, tmp_entries
 
 import aiockpt
 from aiockpt import Checkpointer
@@ -77,28 +76,13 @@ async def rank(
         yield ckpt
 
 
-def _env() -> dict[str, str]:
-    """The environment of a child: it imports the very aiockpt this process tests."""
-    here = str(Path(aiockpt.__file__).resolve().parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
-
-
-async def _stderr_of(proc: anyio.abc.Process) -> str:
-    assert proc.stderr is not None
-    err = b""
-    with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError):
-        while True:
-            err += await proc.stderr.receive()
-    return err.decode(errors="replace")
-
-
 @contextlib.asynccontextmanager
 async def rank_1_writing(tmp_path: Path, root: Path, step: int) -> AsyncIterator[anyio.abc.Process]:
     """Rank 1 in another process, stopped with its part of ``step`` written but not committed."""
     script = tmp_path / "rank1.py"
     script.write_text(CHILD)
     async with await anyio.open_process(
-        [sys.executable, str(script), str(root), str(step)], stdout=-1, stderr=-1, env=_env()
+        [sys.executable, str(script), str(root), str(step)], stdout=-1, stderr=-1, env=child_env()
     ) as proc:
         assert proc.stdout is not None
         try:
@@ -107,7 +91,7 @@ async def rank_1_writing(tmp_path: Path, root: Path, step: int) -> AsyncIterator
                     b"\n", 4096
                 )
         except anyio.IncompleteRead:
-            pytest.fail(f"the child exited ({await proc.wait()}):\n{await _stderr_of(proc)}")
+            pytest.fail(f"the child exited ({await proc.wait()}):\n{await stderr_of(proc)}")
         assert line == b"written"
         try:
             yield proc
@@ -134,7 +118,7 @@ def prune(root: Path, *args: str) -> dict[str, object]:
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env(),
+        env=child_env(),
         check=False,
     )
     assert r.returncode == 0, r.stderr
@@ -263,7 +247,7 @@ async def test_ranks_taking_turns_keep_latest_on_the_newest_step_and_the_root_li
             capture_output=True,
             text=True,
             timeout=120,
-            env=_env(),
+            env=child_env(),
             check=False,
         )
     )

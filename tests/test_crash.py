@@ -8,7 +8,6 @@ its step should, a ``latest`` that names one of them, and no temp directory.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import random
@@ -26,7 +25,7 @@ import anyio.abc
 import anyio.streams.buffered
 import pytest
 import torch
-from conftest import assert_tree_equal, listdir, read_text, tmp_entries
+from conftest import assert_tree_equal, child_env, listdir, read_text, stderr_of, tmp_entries
 
 import aiockpt
 from aiockpt import Checkpointer, StorageError
@@ -81,21 +80,6 @@ def expected(step: int) -> dict[str, object]:
     }
 
 
-def child_env() -> dict[str, str]:
-    """The environment of a child: it imports the very aiockpt this process tests."""
-    here = str(Path(aiockpt.__file__).resolve().parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
-
-
-async def _stderr_of(proc: anyio.abc.Process) -> str:
-    assert proc.stderr is not None
-    err = b""
-    with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError):
-        while True:
-            err += await proc.stderr.receive()
-    return err.decode(errors="replace")
-
-
 async def run_and_kill(script: Path, root: Path, delay: float, where: str) -> str:
     """Start the child, let it save for ``delay`` seconds once ready, SIGKILL it; return its first line."""
     async with await anyio.open_process(
@@ -108,9 +92,9 @@ async def run_and_kill(script: Path, root: Path, delay: float, where: str) -> st
                     b"\n", 4096
                 )
         except anyio.IncompleteRead:
-            pytest.fail(f"{where}: the child exited ({await proc.wait()}):\n{await _stderr_of(proc)}")
+            pytest.fail(f"{where}: the child exited ({await proc.wait()}):\n{await stderr_of(proc)}")
         await anyio.sleep(delay)
-        assert proc.returncode is None, f"{where}: the child died on its own:\n{await _stderr_of(proc)}"
+        assert proc.returncode is None, f"{where}: the child died on its own:\n{await stderr_of(proc)}"
         proc.kill()
         assert await proc.wait() == -signal.SIGKILL, where
     return line.decode()

@@ -18,7 +18,7 @@ import anyio.streams.buffered
 import anyio.to_thread
 import pytest
 import torch
-from conftest import assert_tree_equal, listdir, read_text, tmp_entries
+from conftest import assert_tree_equal, child_env, listdir, read_text, tmp_entries
 
 import aiockpt
 import aiockpt._checkpointer
@@ -82,12 +82,6 @@ async def until(condition: Callable[[], bool]) -> None:
 
 
 # --- Subprocesses ---------------------------------------------------------------------------------------
-
-
-def child_env() -> dict[str, str]:
-    """The environment of a child: it imports the very aiockpt this process tests."""
-    here = str(Path(aiockpt.__file__).resolve().parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
 
 
 async def spawn(script: Path, *args: str) -> anyio.abc.Process:

@@ -269,18 +269,7 @@ async def run_metadata(path: Location, limiter: anyio.CapacityLimiter | None = N
     else:
         summary = await run_sync(partial(read_summary, path), limiter)
     manifest, crc, nbytes = summary
-    metadata = Metadata(
-        path=str(path),
-        step=manifest.step,
-        world_size=manifest.world_size,
-        nbytes=nbytes,
-        num_tensors=len(manifest.tensors),
-        files=manifest.files,
-        created_at=manifest.created_at,
-        manifest_crc32c=crc,
-        timings={},
-        user_metadata=dict(manifest.user_metadata),
-    )
+    metadata = Metadata.of(str(path), manifest, crc, nbytes)
     box: list[object] = [summary, manifest]  # a large manifest's bookkeeping: freed in a worker thread
     del summary, manifest
     await release(box, limiter)

@@ -412,20 +412,7 @@ async def _save(
                 await _give_back(pool, staged, limiter)
     assert summary is not None
     manifest, crc, nbytes = summary
-    metadata = Metadata(
-        path=str(req.path),
-        step=req.step,
-        world_size=manifest.world_size,
-        nbytes=nbytes,
-        num_tensors=len(manifest.tensors),
-        files=manifest.files,
-        created_at=manifest.created_at,
-        manifest_crc32c=crc,
-        timings=dict(metrics.seconds),
-        written_bytes=metrics.written_bytes,
-        direct_bytes=metrics.direct_bytes,
-        user_metadata=dict(manifest.user_metadata),
-    )
+    metadata = Metadata.of(str(req.path), manifest, crc, nbytes, metrics)
     # Neither name may keep the bookkeeping alive once it is handed to the thread that frees it.
     box: list[object] = [staged, plan, result, summary, manifest]
     del staged, plan, result, summary, manifest
