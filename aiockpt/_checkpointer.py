@@ -567,6 +567,7 @@ class Checkpointer:
         # for a slot is refused above, and aclose() waits for (or cancels) this one too.
         handle = SaveHandle(path=str(path), step=step)
         self._inflight[step] = handle
+        newest = self._steps[-1] if self._steps else None  # committed before this save began
         try:
             with handle._cancellable() as waiting:
                 await slots.acquire()
@@ -594,7 +595,7 @@ class Checkpointer:
                     req, world=self._world, pool=self._pool, metrics=handle.metrics, report=report
                 )
                 with anyio.CancelScope(shield=True):  # committed: the bookkeeping must follow
-                    await self._after_commit(step)
+                    await self._after_commit(step, newest)
                 return meta
             finally:
                 self._forget(handle)
@@ -646,7 +647,12 @@ class Checkpointer:
             raise CheckpointError(f"the Checkpointer of {self.root} is closing")
         return await run_reserve(state, pool=self._pool, allow_pickle=self.allow_pickle, io=self.io)
 
-    async def _after_commit(self, step: int) -> None:
+    async def _after_commit(self, step: int, newest: int | None = None) -> None:
+        """Index the committed ``step``, update ``latest`` and prune.
+
+        ``newest`` is the newest step committed when the save began: it tells the save of a step older
+        than those already there from two saves in flight that committed out of order.
+        """
         path = self.path_of(step)
         if (
             self._part is not None
@@ -672,11 +678,13 @@ class Checkpointer:
                     stacklevel=2,
                 )
                 return
-            if step not in self._steps:
+            if step not in self._steps and newest is not None and step < newest:
                 # Retention took out the step just committed: deliberate (it keeps the newest steps,
                 # whatever order they came in), but the save returns normally and loads go on finding
-                # the newer steps, so say so. Saves in order of steps never get here: the step each
-                # commits is the newest, which retention keeps.
+                # the newer steps, so say so, where the step was older than one committed before its
+                # save began (a run counting from 1 again). Saves of one run in order of steps get
+                # here only when two in flight commit out of order (a large step 1 after a small step
+                # 2), which is no mistake: no word then.
                 warnings.warn(
                     f"step {step} was deleted from {self.root} at once, by retention, right after its "
                     f"save committed it: retention ({self._retention_text()}) keeps steps "

@@ -190,11 +190,11 @@ async def test_latest_never_moves_back_to_a_step_a_slower_rank_completes(
         reached, go = anyio.Event(), anyio.Event()
         after_commit = r0._after_commit
 
-        async def late(step: int) -> None:
+        async def late(step: int, newest: int | None = None) -> None:
             if step == 9:
                 reached.set()
                 await go.wait()
-            await after_commit(step)
+            await after_commit(step, newest)
 
         monkeypatch.setattr(r0, "_after_commit", late)
         await r1.save(state_for(1, 9), step=9)

@@ -178,9 +178,9 @@ def test_result_with_a_timeout_raises_the_builtin_timeout_error(root: Path) -> N
         gate = threading.Event()
         real = ckpt._ckpt._after_commit
 
-        async def slow_after_commit(step: int) -> None:
+        async def slow_after_commit(step: int, newest: int | None = None) -> None:
             await anyio.to_thread.run_sync(gate.wait, 30)
-            await real(step)
+            await real(step, newest)
 
         ckpt._ckpt._after_commit = slow_after_commit  # type: ignore[method-assign]
         handle = ckpt.save({"w": torch.ones(8)}, step=1, async_op=True)

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from conftest import assert_tree_equal, listdir
@@ -269,6 +270,25 @@ async def test_a_step_saved_below_the_kept_ones_is_deleted_at_once_and_the_save_
         await ckpt.save({"run": 2, "step": 12}, step=12)
         await ckpt.wait()
         assert listdir(root) == ["latest", _step_dir(11), _step_dir(12)]
+
+
+async def test_two_saves_in_flight_that_commit_out_of_order_do_not_warn(root: Path) -> None:
+    """A large step 1 committing after a small step 2 is pruned (keep_last=1) without a word: no mistake."""
+    async with Checkpointer(root, keep_last=1, max_inflight=2) as ckpt:
+        gate = anyio.Event()
+        real = ckpt._after_commit
+
+        async def held(step: int, newest: int | None = None) -> None:
+            if step == 1:
+                await gate.wait()  # step 1 commits after step 2
+            await real(step, newest)
+
+        ckpt._after_commit = held  # type: ignore[method-assign]
+        first = await ckpt.save({"w": torch.ones(4)}, step=1, async_op=True)
+        await ckpt.save({"w": torch.ones(4)}, step=2)
+        gate.set()
+        await first  # (warnings are errors here)
+        assert ckpt.steps() == [2]
 
 
 def test_the_blocking_facade_warns_alike(root: Path) -> None:
