@@ -13,11 +13,11 @@ if TYPE_CHECKING:
 import anyio
 
 from ._dist import DEFAULT_TIMEOUT
-from ._errors import FormatError
+from ._errors import CheckpointNotFoundError, CorruptionError, FormatError
 from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._interop import detect, load_foreign, read_foreign
-from ._load import run_load, run_metadata, run_read
+from ._load import deleted_meanwhile, run_load, run_metadata, run_read
 from ._load._ranks import checked_rank, this_rank
 from ._memory import ONE_SHOT_PINNED, StagingPool
 from ._options import IOConfig, check_flags, check_timeout
@@ -199,7 +199,15 @@ async def load(
         assert isinstance(target, Path)
         await load_foreign(state, target, kind, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
         return state
-    await run_load(state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen)
+    try:
+        await run_load(
+            state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen
+        )
+    except (CheckpointNotFoundError, CorruptionError) as exc:
+        gone = await deleted_meanwhile(target, exc)
+        if gone is None:
+            raise
+        raise gone from exc
     return state
 
 
@@ -247,7 +255,13 @@ async def read(
     if kind != "aiockpt":
         assert isinstance(target, Path)
         return await read_foreign(target, kind, allow_pickle=allow_pickle, io=io or IOConfig())
-    return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen)
+    try:
+        return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen)
+    except (CheckpointNotFoundError, CorruptionError) as exc:
+        gone = await deleted_meanwhile(target, exc)
+        if gone is None:
+            raise
+        raise gone from exc
 
 
 async def read_metadata(path: str | os.PathLike[str], *, s3: S3Options | None = None) -> Metadata:

@@ -32,7 +32,7 @@ from ._errors import (
 from ._format import MANIFEST_NAME, Key, part_dir_name
 from ._fs import TMP_PREFIX, collect_garbage, flocked, fsync_dir, remove_tree, replace_durable
 from ._handle import Metadata, SaveHandle, SaveState
-from ._load import is_checkpoint, run_load, run_metadata, run_read
+from ._load import exists, is_checkpoint, run_load, run_metadata, run_read
 from ._memory import StagingPool
 from ._options import IOConfig, check_flags, check_timeout
 from ._runner import start_background, start_soon
@@ -50,14 +50,6 @@ LATEST = "latest"
 LATEST_LOCK = ".latest.lock"
 _LOAD_ATTEMPTS = 3
 STEP_RE = re.compile(r"step-([0-9]+)")
-
-
-async def _exists(path: Location) -> bool:
-    if isinstance(path, S3Path):
-        from ._storage._s3 import committed
-
-        return await committed(path)
-    return await run_sync(path.exists)
 
 
 def step_dir_name(step: int) -> str:
@@ -847,7 +839,7 @@ class Checkpointer:
             except (CheckpointNotFoundError, CorruptionError) as exc:
                 # Another process's retention may delete a step while we start reading it (a missing
                 # data file reads as corruption): only a step that is still there is really damaged.
-                if await _exists(path):
+                if await exists(path):
                     raise
                 if step is not None or attempt == _LOAD_ATTEMPTS - 1:
                     raise CheckpointNotFoundError(

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import anyio
 
-from ._errors import CorruptionError, StorageError
+from ._errors import CheckpointNotFoundError, CorruptionError, StorageError
 from ._format import Chunk, Manifest
 from ._gc import paused
-from ._load import read_manifest
+from ._load import exists, read_manifest
 from ._load._direct import DirectReads, copy_checked, reads_direct, split_direct
 from ._load._read import chunk_error, read_checked
 from ._options import IOConfig
@@ -230,14 +230,21 @@ async def verify(
         missing, truncated or unreadable) or for a damaged manifest.
 
     Raises:
-        CheckpointNotFoundError: ``path`` is not a committed checkpoint (no manifest, or parts missing).
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint (no manifest, or parts missing),
+            or it was deleted while it was verified (by another process's retention: its files went
+            missing, which is no damage).
         FormatError: The manifest is not an aiockpt manifest, or has a newer format version.
         StorageError: A data file exists but cannot be opened.
     """
     directory = local(path, "verify")
     io = io or IOConfig()
     with responsive(io):
-        return await _verify(directory, io, progress)
+        report = await _verify(directory, io, progress)
+    if not report.ok and not await exists(directory):
+        raise CheckpointNotFoundError(
+            f"{directory} was deleted while it was verified (retention by another process?)"
+        )
+    return report
 
 
 async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], None] | None) -> VerifyReport:

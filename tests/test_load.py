@@ -6,7 +6,7 @@ import math
 import os
 from itertools import pairwise
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import anyio.to_thread
 import crc32c
@@ -26,6 +26,7 @@ from conftest import (
 )
 
 import aiockpt
+import aiockpt._load
 from aiockpt import StateMismatchError, StateMismatchWarning
 from aiockpt._format import MANIFEST_NAME
 from aiockpt._load._manifest import decode_manifest
@@ -238,6 +239,39 @@ async def test_read_metadata_gives_what_the_save_returned_and_the_user_metadata(
     safetensors.save_file({"w": torch.ones(2)}, str(foreign))
     with pytest.raises(aiockpt.FormatError, match="safetensors checkpoint, which has no aiockpt metadata"):
         await aiockpt.read_metadata(foreign)
+
+
+async def test_a_checkpoint_deleted_while_it_is_read_is_not_found_not_corrupt(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process's retention renames a step away once its manifest was read: its data files go
+    missing, which used to be reported as damage (CorruptionError), though nothing was damaged."""
+    await aiockpt.save({"w": torch.ones(1 << 16)}, ckpt_path)
+    real = aiockpt._load.read_into  # type: ignore[attr-defined]
+    away = ckpt_path.with_name("deleted")
+    how = "deleted"
+
+    async def meanwhile(directory: Path, *args: Any, **kwargs: Any) -> Any:
+        if how == "deleted":
+            directory.rename(away)  # as retention does, before it removes the tree
+        else:
+            (directory / "data-r00000.bin").unlink()  # the checkpoint stays: damaged
+        return await real(directory, *args, **kwargs)
+
+    monkeypatch.setattr(aiockpt._load, "read_into", meanwhile)
+    w = torch.zeros(1 << 16)
+    target: dict[str, object] = {"w": w}
+    with pytest.raises(aiockpt.CheckpointNotFoundError, match="was deleted while it was read") as info:
+        await aiockpt.load(target, ckpt_path)
+    assert isinstance(info.value.__cause__, aiockpt.CorruptionError)
+    assert not w.any()  # nothing was loaded
+    away.rename(ckpt_path)
+    with pytest.raises(aiockpt.CheckpointNotFoundError, match="was deleted while it was read"):
+        await aiockpt.read(ckpt_path, io=aiockpt.IOConfig(map_reads=False))
+    away.rename(ckpt_path)
+    how = "damaged"  # where the checkpoint is still there, missing data is damage, as before
+    with pytest.raises(aiockpt.CorruptionError, match="data file is missing"):
+        await aiockpt.load(target, ckpt_path)
 
 
 async def test_module_tensors_are_loaded_in_place(ckpt_path: Path) -> None:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -14,6 +15,7 @@ import torch
 from conftest import file_size, flip_byte, make_model
 
 import aiockpt
+import aiockpt._verify
 from aiockpt._checkpointer import doomed_steps
 from aiockpt._format import ENCODER, ENVELOPE_DECODER, MANIFEST_NAME, Manifest
 from aiockpt._load import read_manifest
@@ -90,6 +92,23 @@ async def test_a_cancelled_verification_stops_and_closes_its_files(ckpt_path: Pa
     assert scope.cancelled_caught
     assert calls == 1
     assert set(os.listdir("/proc/self/fd")) == open_before
+
+
+async def test_a_checkpoint_deleted_while_it_is_verified_is_not_found_not_damaged(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention by another process took the step away after its manifest was read: files missing."""
+    await aiockpt.save({"w": torch.ones(1 << 16)}, ckpt_path)
+    real = aiockpt._verify.read_manifest  # type: ignore[attr-defined]
+
+    def then_deleted(directory: Path, **kwargs: Any) -> Manifest:
+        manifest = real(directory, **kwargs)
+        directory.rename(directory.with_name("deleted"))  # as retention does, before it removes the tree
+        return manifest
+
+    monkeypatch.setattr(aiockpt._verify, "read_manifest", then_deleted)
+    with pytest.raises(aiockpt.CheckpointNotFoundError, match="was deleted while it was verified"):
+        await aiockpt.verify(ckpt_path)
 
 
 async def test_every_damaged_chunk_is_reported_with_key_file_and_block(ckpt_path: Path) -> None:

@@ -17,7 +17,15 @@ import msgspec
 import torch
 
 from .._cuda import noting
-from .._errors import FormatError, StateError, StateMismatchError, StateMismatchWarning
+from .._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptionError,
+    FormatError,
+    StateError,
+    StateMismatchError,
+    StateMismatchWarning,
+)
 from .._format import MANIFEST_NAME, RANKS_VERSION, Key, Manifest
 from .._handle import Metadata
 from .._options import IOConfig
@@ -32,6 +40,8 @@ from ._read import cached_pages, read_into
 
 __all__ = [
     "assign",
+    "deleted_meanwhile",
+    "exists",
     "hand_over",
     "is_checkpoint",
     "published_parts",
@@ -274,3 +284,26 @@ async def run_metadata(path: Location, limiter: anyio.CapacityLimiter | None = N
     del summary, manifest
     await release(box, limiter)
     return metadata
+
+
+async def exists(path: Location) -> bool:
+    """Whether the checkpoint directory ``path`` (on object storage: a committed checkpoint) is there."""
+    if isinstance(path, S3Path):
+        from .._storage._s3 import committed
+
+        return await committed(path)
+    return await run_sync(path.exists)
+
+
+async def deleted_meanwhile(path: Location, exc: CheckpointError) -> CheckpointNotFoundError | None:
+    """The error to raise instead of ``exc`` if the checkpoint ``path`` is gone now, else ``None``.
+
+    A checkpoint that another process's retention deletes while it is read makes the read fail as if it
+    were damaged (a data file missing): it was deleted, not damaged, and nothing was loaded (every data
+    file is opened before the first byte is handed out).
+    """
+    if not isinstance(exc, CheckpointNotFoundError | CorruptionError) or await exists(path):
+        return None
+    return CheckpointNotFoundError(
+        f"{path} was deleted while it was read (retention by another process?); nothing was loaded"
+    )
