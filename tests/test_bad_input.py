@@ -40,7 +40,7 @@ from aiockpt import (
 )
 from aiockpt._fs import collect_garbage
 from aiockpt._load import read_manifest
-from aiockpt._save import _open_tmp, _read_summary
+from aiockpt._save import _read_summary, open_tmp
 from aiockpt._tree import MAX_DEPTH, is_stateful
 
 pytestmark = pytest.mark.timeout(60)
@@ -711,7 +711,7 @@ def test_temp_data_of_a_long_name_is_locked_and_collected_once_its_writer_is_gon
 ) -> None:
     if not atomic:  # the lock is made under a private name 33 bytes longer, then renamed
         monkeypatch.setattr(aiockpt._fs, "_open_unnamed", lambda directory: -1)
-    tmp, lock = _open_tmp(tmp_path / ("c" * 255))
+    tmp, lock = open_tmp(tmp_path / ("c" * 255))
     assert lock.atomic is atomic
     assert tmp.name.startswith(".tmp-ccc")
     assert len(os.fsencode(lock.path.name)) + 33 <= 255

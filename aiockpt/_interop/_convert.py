@@ -6,7 +6,7 @@ directory) or a DCP directory.
 The source is read whole into CPU memory (:func:`aiockpt.read`), then written by the target's writer into
 a temporary directory next to the destination (a directory output is that directory, a file output lies
 in it), made durable (fsync) and renamed into place without ever replacing an existing path; a failed or
-cancelled conversion leaves nothing behind. The temporary directory is a save's (``_open_tmp``): named
+cancelled conversion leaves nothing behind. The temporary directory is a save's (``open_tmp``): named
 ``.tmp-...`` and owner-locked, so garbage collection (a Checkpointer opening the destination's directory,
 ``aiockpt prune``) leaves a conversion in progress alone and removes a crashed one's at once.
 """
@@ -33,7 +33,7 @@ from .._load import run_metadata
 from .._load._ranks import checked_rank, this_rank
 from .._memory import StagingPool, byte_view, nbytes_of
 from .._options import IOConfig, check_flags
-from .._save import SaveRequest, _discard_tmp, _open_tmp, run_save
+from .._save import SaveRequest, discard_tmp, open_tmp, run_save
 from .._storage import S3Path, local, resolve
 from .._threads import acquire_sync, run_sync
 from .._tree import dtype_name, render
@@ -423,7 +423,7 @@ async def convert(
 
     def write(tmp: Path) -> None:
         # The temp dir stays locked until it is gone: a directory output is renamed away from it, a file
-        # output out of it, and _discard_tmp removes what is left, then the lock.
+        # output out of it, and discard_tmp removes what is left, then the lock.
         out = tmp if directory else tmp / target.name
         if to == "torch":
             write_torch(out, tree)
@@ -436,17 +436,17 @@ async def convert(
         rename_noreplace(out, target)
         fsync_dir(target.parent)
 
-    def open_tmp() -> tuple[Path, OwnerLock]:
+    def make_tmp() -> tuple[Path, OwnerLock]:
         target.parent.mkdir(parents=True, exist_ok=True)
-        return _open_tmp(target)
+        return open_tmp(target)
 
     try:
-        tmp, lock = await acquire_sync(open_tmp)
+        tmp, lock = await acquire_sync(make_tmp)
         try:
             await run_sync(lambda: write(tmp))
         finally:
             with anyio.CancelScope(shield=True):
-                await run_sync(lambda: _discard_tmp(tmp, lock))
+                await run_sync(lambda: discard_tmp(tmp, lock))
     except FileExistsError as exc:
         raise CheckpointExistsError(f"{target} already exists; convert never overwrites") from exc
     except OSError as exc:

@@ -147,7 +147,7 @@ def _prepare_target(path: Path) -> tuple[Path, OwnerLock]:
     _check_target(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return _open_tmp(path)
+        return open_tmp(path)
     except OSError as exc:
         reason = exc.strerror or exc
         raise StorageError(f"cannot create a temp dir beside {path}: {reason}", path=str(path)) from exc
@@ -174,7 +174,8 @@ def _read_summary(path: Path) -> tuple[Manifest, int, int]:
     return decode_summary(file.read_bytes(), str(file))
 
 
-def _open_tmp(path: Path) -> tuple[Path, OwnerLock]:
+def open_tmp(path: Path) -> tuple[Path, OwnerLock]:
+    """A new temp directory beside ``path`` and its owner lock (garbage collection spares it). Blocking."""
     tmp = path.with_name(temp_name(path.name, uuid.uuid4().hex[:12]))
     lock = OwnerLock(tmp.with_name(tmp.name + LOCK_SUFFIX))
     try:
@@ -185,7 +186,8 @@ def _open_tmp(path: Path) -> tuple[Path, OwnerLock]:
     return tmp, lock
 
 
-def _discard_tmp(tmp: Path, lock: OwnerLock) -> None:
+def discard_tmp(tmp: Path, lock: OwnerLock) -> None:
+    """Remove what is left of ``tmp`` (nothing, once renamed into place), then its lock. Blocking."""
     try:
         remove_tree(tmp)
     finally:
@@ -252,7 +254,7 @@ class _LocalTarget:
 
     async def discard(self) -> None:
         if self.tmp is not None:
-            await run_sync(partial(_discard_tmp, *self.tmp), self.limiter)
+            await run_sync(partial(discard_tmp, *self.tmp), self.limiter)
             self.tmp = None
 
     async def summary(self) -> tuple[Manifest, int, int]:
