@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 import anyio
 
 from ._dist import DEFAULT_TIMEOUT
-from ._errors import CheckpointNotFoundError, CorruptionError, FormatError
+from ._errors import CorruptionError, FormatError
 from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._interop import detect, load_foreign, read_foreign
@@ -182,7 +182,8 @@ async def load(
         ``state``.
 
     Raises:
-        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint, or it was deleted while it was
+            read (by another process's retention; nothing was loaded).
         FormatError: The manifest is unreadable or from a newer format.
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
@@ -203,7 +204,7 @@ async def load(
         await run_load(
             state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen
         )
-    except (CheckpointNotFoundError, CorruptionError) as exc:
+    except CorruptionError as exc:
         gone = await deleted_meanwhile(target, exc)
         if gone is None:
             raise
@@ -240,7 +241,8 @@ async def read(
             have no per-rank state.
 
     Raises:
-        CheckpointNotFoundError: ``path`` is not a committed checkpoint.
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint, or it was deleted while it was
+            read (by another process's retention; nothing was loaded).
         FormatError: The manifest is unreadable or from a newer format, or a tensor's dtype is unknown
             to this torch (names the key).
         CorruptionError: Stored bytes fail verification (names the key and file).
@@ -257,7 +259,7 @@ async def read(
         return await read_foreign(target, kind, allow_pickle=allow_pickle, io=io or IOConfig())
     try:
         return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen)
-    except (CheckpointNotFoundError, CorruptionError) as exc:
+    except CorruptionError as exc:
         gone = await deleted_meanwhile(target, exc)
         if gone is None:
             raise

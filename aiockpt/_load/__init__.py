@@ -18,7 +18,6 @@ import torch
 
 from .._cuda import noting
 from .._errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptionError,
     FormatError,
@@ -295,14 +294,14 @@ async def exists(path: Location) -> bool:
     return await run_sync(path.exists)
 
 
-async def deleted_meanwhile(path: Location, exc: CheckpointError) -> CheckpointNotFoundError | None:
+async def deleted_meanwhile(path: Location, exc: CorruptionError) -> CheckpointNotFoundError | None:
     """The error to raise instead of ``exc`` if the checkpoint ``path`` is gone now, else ``None``.
 
     A checkpoint that another process's retention deletes while it is read makes the read fail as if it
-    were damaged (a data file missing): it was deleted, not damaged, and nothing was loaded (every data
-    file is opened before the first byte is handed out).
+    were damaged (a data file missing, once its manifest was read): it was deleted, not damaged, and
+    nothing was loaded (every data file is opened before the first byte is handed out).
     """
-    if not isinstance(exc, CheckpointNotFoundError | CorruptionError) or await exists(path):
+    if await exists(path):
         return None
     return CheckpointNotFoundError(
         f"{path} was deleted while it was read (retention by another process?); nothing was loaded"
