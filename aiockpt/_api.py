@@ -18,7 +18,7 @@ from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._interop import detect, load_foreign, read_foreign
 from ._load import deleted_meanwhile, run_load, run_metadata, run_read
-from ._load._ranks import checked_rank, this_rank
+from ._load._ranks import checked_rank
 from ._memory import ONE_SHOT_PINNED, StagingPool
 from ._options import IOConfig, check_flags, check_timeout
 from ._runner import start_background
@@ -193,7 +193,7 @@ async def load(
             bool.
     """
     check_flags(strict=strict, allow_pickle=allow_pickle)
-    chosen = this_rank() if rank is None else checked_rank(rank)
+    chosen = checked_rank(rank)
     target = resolve(path, s3)
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
     if kind != "aiockpt":
@@ -251,7 +251,7 @@ async def read(
         CheckpointError: ``rank`` is not an int of at least 0, or ``allow_pickle`` is not a bool.
     """
     check_flags(allow_pickle=allow_pickle)
-    chosen = this_rank() if rank is None else checked_rank(rank)
+    chosen = checked_rank(rank)
     target = resolve(path, s3)
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
     if kind != "aiockpt":

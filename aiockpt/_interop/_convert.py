@@ -30,7 +30,7 @@ from .._format import Key, KeyPath
 from .._fs import OwnerLock, fsync_dir, rename_noreplace
 from .._handle import SaveMetrics
 from .._load import run_metadata
-from .._load._ranks import checked_rank, this_rank
+from .._load._ranks import checked_rank
 from .._memory import StagingPool, byte_view, nbytes_of
 from .._options import IOConfig, check_flags
 from .._save import SaveRequest, discard_tmp, open_tmp, run_save
@@ -375,7 +375,7 @@ async def convert(
         raise CheckpointError(f"to must be 'aiockpt', 'torch', 'safetensors' or 'dcp', not {to!r}")
     if max_shard_size <= 0:
         raise CheckpointError(f"max_shard_size must be positive, not {max_shard_size}")
-    chosen = this_rank() if rank is None else checked_rank(rank)
+    chosen = checked_rank(rank)
     io = io or IOConfig()
     target = local(dst, "convert")
     if await run_sync(lambda: os.path.lexists(target)):

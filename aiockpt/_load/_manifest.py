@@ -499,10 +499,10 @@ def read_summary(path: Path) -> tuple[Manifest, int, int]:
     As :func:`read_manifest` (a collective-free checkpoint is read as the merge of its parts, whose
     checksum is then 0: there is no one manifest), and raises as it does.
     """
-    if not os.path.isfile(path / MANIFEST_NAME) and _part_sets(path):
-        manifest, crc = read_manifest(path), 0
-    else:
+    if os.path.isfile(path / MANIFEST_NAME):
         manifest, crc = _decode(*_raw(path))
+    else:  # parts (or nothing: read_manifest says so), listed once
+        manifest, crc = read_manifest(path), 0
     return manifest, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 

@@ -34,11 +34,13 @@ def this_rank() -> int:
 
 
 def checked_rank(rank: object) -> int:
-    """``rank``, a rank given by the user, once it is one.
+    """``rank``, a rank given by the user, once it is one; for ``None``, this process's (:func:`this_rank`).
 
     Raises:
-        CheckpointError: ``rank`` is not an int of at least 0.
+        CheckpointError: ``rank`` is not ``None`` nor an int of at least 0.
     """
+    if rank is None:
+        return this_rank()
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         raise CheckpointError(f"rank must be an int of at least 0, not {rank!r}")
     return rank
