@@ -23,8 +23,9 @@ METHOD = " ".join(
         "includes reading one byte per 4 KiB page of the result, so lazily mmap'd tensors count their",
         "I/O. Savers (with the fsync'd-write limit) run round-robin, then loaders (with the cold read),",
         "each round starting one case later and every other round backwards (so that no case always runs",
-        "after the same one); the best repeat is reported. Loop lag: a task in the same event",
-        "loop sleeps 1 ms in a loop while the operation runs; lag = actual sleep - 1 ms.",
+        "after the same one); the best repeat is reported. An async save's time until it returned is",
+        "compared with a memcpy of the state timed just before each of its saves. Loop lag: a task",
+        "in the same event loop sleeps 1 ms in a loop while the operation runs; lag = actual sleep - 1 ms.",
     ]
 )
 
@@ -103,11 +104,7 @@ def checks(res: Results) -> list[Check]:
     out.append(_check(name, r, "≥ 0.90x", r >= 0.9))
     r = _speedup(dcp_load, a_load)
     out.append(_check("A: aiockpt.load vs DCP load (speedup)", r, "≥ 2x", r >= 2.0))
-    saver, memcpy = res.find("A", s.AIO_SAVE_ASYNC), res.find("A", s.MEMCPY)
-    if saver is not None and memcpy is not None:
-        r = saver.best_staged / memcpy.best
-        name = "A: async_op=True save returned after (reused staging buffers) / memcpy"
-        out.append(_check(name, r, "≤ 1.30x", r <= 1.3))
+    out += _staging_checks(res)
 
     b_save, b_load, b_read = (
         _time(res, "B", s.AIO_SAVE),
@@ -126,6 +123,25 @@ def checks(res: Results) -> list[Check]:
     out.append(_check("B: aiockpt.load (in place) vs safetensors load_file (speedup)", r, "> 1x", r > 1.0))
     out += _lag_checks(res)
     return out
+
+
+def _staging_checks(res: Results) -> list[Check]:
+    """Staging against memcpy: each async save against the memcpy timed just before it.
+
+    The run's best memcpy, measured before the rounds on a quiet machine, is given beside it: a ratio to
+    it also counts how much slower the machine was during the rounds.
+    """
+    saver, memcpy = res.find("A", s.AIO_SAVE_ASYNC), res.find("A", s.MEMCPY)
+    if saver is None or not saver.staged:
+        return []
+    name = "A: async_op=True save returned after (reused staging buffers) / memcpy just before it"
+    r = saver.staged_per_memcpy  # NaN where memcpy was not selected
+    check = _check(name + " (median of saves)", r, "≤ 1.30x", r <= 1.3)
+    if memcpy is not None:
+        quiet = saver.best_staged / memcpy.best
+        value = f"{check.value} (best against the best memcpy before the rounds: {_ratio(quiet)})"
+        check = Check(check.name, value, check.goal, check.met)
+    return [check]
 
 
 def _lag_checks(res: Results) -> list[Check]:

@@ -21,6 +21,9 @@ class Measurement:
     # the first one (which allocated them).
     staged: list[float] = field(default_factory=list)
     first_staged: float | None = None
+    # The same saves: a memcpy of the state timed just before each (same index), under the same
+    # conditions (after the same case, in the same round), as the measure of what staging can reach.
+    staged_memcpy: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)  # aiockpt saves: Metadata.timings
     lag: LagStats | None = None
     note: str = ""
@@ -51,6 +54,16 @@ class Measurement:
     def best_staged(self) -> float:
         """Fastest time until an async save with reused buffers returned, in seconds (NaN if none)."""
         return min(self.staged) if self.staged else float("nan")
+
+    @property
+    def staged_per_memcpy(self) -> float:
+        """Median over the async saves with reused buffers of (time until returned / the memcpy before it).
+
+        NaN where no memcpy was paired with them.
+        """
+        if not self.staged_memcpy or len(self.staged_memcpy) != len(self.staged):
+            return float("nan")
+        return statistics.median(s / m for s, m in zip(self.staged, self.staged_memcpy, strict=True))
 
 
 @dataclass
