@@ -14,13 +14,14 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar, overload
 
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from . import _api
+from . import _api, _verify
 from ._checkpointer import Checkpointer as AsyncCheckpointer
 from ._checkpointer import OnBusy
 from ._cuda import caller, noting
@@ -28,13 +29,16 @@ from ._dist import DEFAULT_TIMEOUT
 from ._errors import CheckpointError
 from ._format import Key
 from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
+from ._interop import _convert
+from ._interop._convert import DEFAULT_MAX_SHARD_SIZE, Target
 from ._options import IOConfig
 from ._storage import Location, S3Options
+from ._verify import VerifyReport
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Checkpointer", "SyncSaveHandle", "load", "read", "read_metadata", "save"]
+__all__ = ["Checkpointer", "SyncSaveHandle", "convert", "load", "read", "read_metadata", "save", "verify"]
 
 T = TypeVar("T")
 
@@ -84,6 +88,31 @@ class _PortalStopped(CheckpointError):
     """The facade's event-loop thread no longer takes calls: the Checkpointer is closed (or closing)."""
 
 
+class _Watches:
+    """The steps that a facade's watches wait for, each awaited in a cancel scope. Event-loop thread only.
+
+    Closing the facade cancels them: a ``next()`` blocked in another thread then raises at once, rather
+    than at its watch's next poll, and the event-loop thread stops without waiting a poll interval.
+    """
+
+    def __init__(self) -> None:
+        self.pending: set[anyio.CancelScope] = set()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        for scope in list(self.pending):
+            scope.cancel()
+
+
+async def _aclose(ckpt: AsyncCheckpointer, watches: _Watches, cancel: bool = False) -> None:
+    """Close ``ckpt`` (see :meth:`aiockpt.Checkpointer.aclose`), then end the steps its watches wait for."""
+    try:
+        await ckpt.aclose(cancel=cancel)
+    finally:
+        watches.close()
+
+
 def _until_done(
     portal: BlockingPortal, thread: threading.Thread, call: Callable[[], Awaitable[T]], closed: str
 ) -> T:
@@ -123,7 +152,9 @@ def _until_done(
         raise
 
 
-def _shut_down(portal: BlockingPortal, thread: threading.Thread, ckpt: AsyncCheckpointer, pid: int) -> None:
+def _shut_down(
+    portal: BlockingPortal, thread: threading.Thread, ckpt: AsyncCheckpointer, watches: _Watches, pid: int
+) -> None:
     """Close ``ckpt`` (waiting for its saves in flight) and stop its event-loop thread. Blocking.
 
     What a facade's finalizer runs when it was never closed: it was garbage-collected, or the interpreter
@@ -132,11 +163,11 @@ def _shut_down(portal: BlockingPortal, thread: threading.Thread, ckpt: AsyncChec
     if os.getpid() != pid or not thread.is_alive():
         return
     if threading.current_thread() is thread:  # dropped by code on the loop, which must not block
-        args = (portal, thread, ckpt, pid)
+        args = (portal, thread, ckpt, watches, pid)
         threading.Thread(target=_shut_down, args=args, name="aiockpt-sync-close").start()
         return
     try:
-        portal.call(ckpt.aclose)  # a failure is printed by the finalizer (and the thread still stopped)
+        portal.call(_aclose, ckpt, watches)  # a failure is printed by the finalizer (the thread still stops)
     finally:
         _stop(portal, thread)
 
@@ -276,6 +307,7 @@ class Checkpointer:
         )
         self._portal, self._thread = _start_portal()
         self._closing = threading.Lock()  # one close at a time (several threads may close)
+        self._watches = _Watches()
         try:
             self._portal.call(self._ckpt.open)
         except BaseException:
@@ -285,7 +317,7 @@ class Checkpointer:
         # would, so that its event-loop thread (and the loop's descriptors) does not outlive it. The
         # callback holds no reference to ``self``.
         self._finalizer = weakref.finalize(
-            self, _shut_down, self._portal, self._thread, self._ckpt, os.getpid()
+            self, _shut_down, self._portal, self._thread, self._ckpt, self._watches, os.getpid()
         )
 
     def __enter__(self) -> Checkpointer:
@@ -362,6 +394,82 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def refresh(self) -> list[int]:
+        """Re-read the committed steps, oldest first; see :meth:`aiockpt.Checkpointer.refresh`.
+
+        Raises:
+            StorageError: ``root`` cannot be listed (it was removed, say).
+            CheckpointError: The Checkpointer is closed.
+        """
+        return self._call(self._ckpt.refresh)
+
+    def path_of(self, step: int) -> Location:
+        """The directory (or object prefix) of ``step``'s checkpoint. Blocks nothing, also once closed."""
+        return self._ckpt.path_of(step)
+
+    def watch(self, *, poll_interval: float = 1.0, coalesce: bool = True) -> Generator[int, None, None]:
+        """Yield steps as they are committed, by any process; see :meth:`aiockpt.Checkpointer.watch`.
+
+        A generator over the async watch, which runs on the event-loop thread: it starts (lists the root,
+        whose steps it will not yield) at the first ``next()``, not at the call, and each ``next()``
+        blocks until a poll lists a new step. Leaving the ``for`` loop (or ``close()`` on the generator)
+        closes the async watch too. A ``next()`` that another thread is blocked in raises
+        :class:`CheckpointError` at once when the Checkpointer is closed (as the async watch of a closed
+        Checkpointer does, at its next poll); so does a ``next()`` after it is closed. An interruption
+        (``KeyboardInterrupt``) while ``next()`` blocks cancels the poll in progress and ends the watch,
+        as cancelling a pending ``anext`` ends the async watch: start a new one. A watch that raised is
+        over: its next ``next()`` raises ``StopIteration``.
+
+        Args:
+            poll_interval: Seconds between listings.
+            coalesce: When several steps appeared between two listings, yield only the newest, and only
+                when it is the newest committed step; with ``False``, yield each, oldest first.
+
+        Yields:
+            Each step newly committed.
+
+        Raises:
+            StorageError: ``root`` cannot be listed (but for its being missing, which is waited out).
+            CheckpointError: ``poll_interval`` is not a positive number of seconds (at the first
+                ``next()``), or the Checkpointer is closed (also while ``next()`` waits).
+        """
+        steps = self._ckpt.watch(poll_interval=poll_interval, coalesce=coalesce)
+        try:
+            while (step := self._call(lambda: self._next_step(steps))) is not None:
+                yield step
+        finally:
+            self._end_watch(steps)
+
+    async def _next_step(self, steps: AsyncGenerator[int, None]) -> int | None:
+        """The next step of the async watch ``steps``; ``None`` once it has ended. Event-loop thread.
+
+        Raises:
+            CheckpointError: The facade is closing or closed (its close cancelled the wait).
+        """
+        closed = f"the Checkpointer of {self._ckpt.root} is closed"
+        if self._watches.closed:
+            raise CheckpointError(closed)
+        with anyio.CancelScope() as scope:
+            self._watches.pending.add(scope)
+            try:
+                return await anext(steps)
+            except StopAsyncIteration:
+                return None
+            finally:
+                self._watches.pending.discard(scope)
+        raise CheckpointError(closed)  # only ``_Watches.close`` cancels the scope
+
+    def _end_watch(self, steps: AsyncGenerator[int, None]) -> None:
+        """Close the async watch ``steps`` on the event-loop thread, where it is still open. Blocking."""
+        # A generator collected on the event-loop thread must not block it: asyncio's finalizer of async
+        # generators closes ``steps`` once it is collected. Once the loop has stopped, its shutdown has.
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return
+        # Stopped meanwhile (the loop's shutdown closes it), or still running: an interrupted ``next()``
+        # whose wait a second interruption cut short, and whose cancellation ends ``steps``.
+        with contextlib.suppress(_PortalStopped, RuntimeError):
+            _until_done(self._portal, self._thread, steps.aclose, "")
+
     def wait(self) -> None:
         """Block until every save in flight has ended (none has once closed)."""
         if self._thread.is_alive():
@@ -378,7 +486,9 @@ class Checkpointer:
                 return
             self._finalizer.detach()
             try:
-                _until_done(self._portal, self._thread, lambda: self._ckpt.aclose(cancel=cancel), "")
+                _until_done(
+                    self._portal, self._thread, lambda: _aclose(self._ckpt, self._watches, cancel), ""
+                )
             except _PortalStopped:
                 pass  # stopped already, the Checkpointer with it (its finalizer ran, at exit say)
             finally:
@@ -474,3 +584,77 @@ def read_metadata(path: str | os.PathLike[str], *, s3: S3Options | None = None) 
         return await _api.read_metadata(path, s3=s3)
 
     return _run(run, "read_metadata")
+
+
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    io: IOConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Check the checkpoint at ``path`` without loading it; see :func:`aiockpt.verify`.
+
+    Takes the same arguments; ``progress`` is called on this thread (that of the call's event loop).
+
+    Returns:
+        A :class:`aiockpt.VerifyReport`: ``report.ok``, or one :class:`aiockpt.CorruptionError` per
+        damaged chunk in ``report.problems``.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a committed checkpoint, or it was deleted while it was
+            verified.
+        FormatError: The manifest is not an aiockpt manifest, or has a newer format version.
+        StorageError: A data file exists but cannot be opened.
+        CheckpointError: This thread runs an event loop (await :func:`aiockpt.verify` there).
+    """
+
+    async def run() -> VerifyReport:
+        return await _verify.verify(path, io=io, progress=progress)
+
+    return _run(run, "verify")
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: Target,
+    allow_pickle: bool = False,
+    drop_non_tensors: bool = False,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    progress: Callable[[int, int], None] | None = None,
+    io: IOConfig | None = None,
+    rank: int | None = None,
+) -> Path:
+    """Convert the checkpoint ``src`` into a new one, ``dst``, of format ``to``; see :func:`aiockpt.convert`.
+
+    Takes the same arguments; ``progress`` is called on this thread (that of the call's event loop).
+
+    Returns:
+        The absolute path of the new checkpoint.
+
+    Raises:
+        CheckpointExistsError: ``dst`` exists.
+        CheckpointNotFoundError: ``src`` is not a checkpoint.
+        StateError: The source holds what the target cannot (see :func:`aiockpt.convert`).
+        FormatError: The source is unreadable.
+        StorageError: Writing failed; nothing is left at ``dst``.
+        CheckpointError: An argument is invalid (``to``, ``max_shard_size``, a flag that is not a bool, a
+            ``rank`` not of the world that saved ``src``), or this thread runs an event loop (await
+            :func:`aiockpt.convert` there).
+    """
+
+    async def run() -> Path:
+        return await _convert.convert(
+            src,
+            dst,
+            to=to,
+            allow_pickle=allow_pickle,
+            drop_non_tensors=drop_non_tensors,
+            max_shard_size=max_shard_size,
+            progress=progress,
+            io=io,
+            rank=rank,
+        )
+
+    return _run(run, "convert")

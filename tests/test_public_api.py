@@ -35,5 +35,6 @@ def test_every_error_is_a_checkpoint_error_and_never_a_base_exception_only() -> 
 
 
 def test_sync_facade_surface() -> None:
-    assert set(sync.__all__) == {"Checkpointer", "SyncSaveHandle", "load", "read", "read_metadata", "save"}
+    names = {"Checkpointer", "SyncSaveHandle", "convert", "load", "read", "read_metadata", "save", "verify"}
+    assert set(sync.__all__) == names
     assert all(hasattr(sync, n) for n in sync.__all__)

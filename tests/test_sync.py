@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 import torch
 from conftest import (
     assert_tree_equal,
     at,
     exists,
+    flip_byte,
     make_model,
     make_optimizer,
     make_scheduler,
@@ -24,6 +30,7 @@ from conftest import (
 import aiockpt
 import aiockpt.sync
 from aiockpt import SaveState
+from aiockpt._load import read_manifest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -218,3 +225,162 @@ async def test_sync_module_functions_refuse_a_running_event_loop(tmp_path: Path)
         aiockpt.sync.load({"a": torch.zeros(2)}, path)
     with pytest.raises(aiockpt.CheckpointError, match=r"await aiockpt\.read"):
         aiockpt.sync.read(path)
+
+
+# --- verify, convert ------------------------------------------------------------------------------------
+
+
+def test_sync_verify_finds_a_corrupted_chunk(ckpt_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    aiockpt.sync.save(
+        {"a": torch.randn(64, 64, generator=g), "b": torch.arange(1000)},
+        ckpt_path,
+        io=aiockpt.IOConfig(checksum_block=4096),
+    )
+    seen: list[tuple[int, int, int]] = []
+    report = aiockpt.sync.verify(
+        ckpt_path, progress=lambda done, total: seen.append((threading.get_ident(), done, total))
+    )
+    assert isinstance(report, aiockpt.VerifyReport)
+    assert report.ok
+    assert report.num_tensors == 2
+    assert seen[-1][1:] == (report.nbytes, report.nbytes)
+    assert {ident for ident, _, _ in seen} == {threading.get_ident()}  # on the caller's thread
+
+    (entry,) = [t for t in read_manifest(ckpt_path).tensors if t.path == ("a",)]
+    (chunk,) = entry.chunks
+    flip_byte(ckpt_path / chunk.file, chunk.offset + 4096 + 3)  # block 1 of "a"
+    report = aiockpt.sync.verify(ckpt_path)
+    assert not report.ok
+    (problem,) = report.problems
+    assert isinstance(problem, aiockpt.CorruptionError)
+    assert problem.key == "a"
+    assert "checksum mismatch in block 1" in str(problem)
+
+    with pytest.raises(aiockpt.CheckpointNotFoundError):
+        aiockpt.sync.verify(ckpt_path.parent / "nope")
+
+
+def test_sync_convert_writes_a_readable_checkpoint(tmp_path: Path) -> None:
+    state: dict[str, object] = {"w": torch.arange(12.0).reshape(3, 4), "n": {"b": torch.ones(2)}}
+    src = tmp_path / "src"
+    aiockpt.sync.save(state, src)
+    seen: list[tuple[int, int]] = []
+    out = aiockpt.sync.convert(
+        src, tmp_path / "model.safetensors", to="safetensors", progress=lambda *a: seen.append(a)
+    )
+    assert out == tmp_path / "model.safetensors"
+    assert_tree_equal(aiockpt.sync.read(out), {"w": state["w"], "n.b": at(state, "n", "b")})
+    assert seen[-1] == (14 * 4, 14 * 4)
+    back = aiockpt.sync.convert(out, tmp_path / "back", to="aiockpt")
+    assert aiockpt.sync.verify(back).ok
+    assert_tree_equal(aiockpt.sync.read(back), {"w": state["w"], "n.b": at(state, "n", "b")})
+
+    with pytest.raises(aiockpt.CheckpointExistsError):
+        aiockpt.sync.convert(src, back, to="aiockpt")
+    no: Any = "no"  # (what a config file gives; the annotations say bool)
+    with pytest.raises(aiockpt.CheckpointError, match=r"^allow_pickle must be a bool"):
+        aiockpt.sync.convert(src, tmp_path / "e.pt", to="torch", allow_pickle=no)
+    bad: Any = "pickle"
+    with pytest.raises(aiockpt.CheckpointError, match=r"^to must be"):
+        aiockpt.sync.convert(src, tmp_path / "f", to=bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "model.safetensors", "src"]
+
+
+async def test_sync_verify_and_convert_refuse_a_running_event_loop(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    await aiockpt.save({"a": torch.ones(2)}, path)
+    with pytest.raises(aiockpt.CheckpointError, match=r"await aiockpt\.verify"):
+        aiockpt.sync.verify(path)
+    with pytest.raises(aiockpt.CheckpointError, match=r"await aiockpt\.convert"):
+        aiockpt.sync.convert(path, tmp_path / "out.pt", to="torch")
+    assert not exists(tmp_path / "out.pt")
+
+
+# --- refresh, path_of, watch ----------------------------------------------------------------------------
+
+
+def filled(step: int) -> dict[str, object]:
+    return {"w": torch.full((1 << 10,), float(step))}
+
+
+def next_within(steps: Generator[int, None, None], timeout: float = 10) -> int:
+    """``next(steps)``, run in a thread and waited for at most ``timeout`` seconds.
+
+    One that times out stays blocked until the test closes the watching Checkpointer, which ends it.
+    """
+    got: queue.Queue[int | BaseException] = queue.Queue()
+
+    def take() -> None:
+        try:
+            got.put(next(steps))
+        except BaseException as exc:  # raised below, in the test's thread
+            got.put(exc)
+
+    threading.Thread(target=take, name="next-within").start()
+    result = got.get(timeout=timeout)
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def test_sync_refresh_sees_steps_of_another_writer_and_path_of_names_a_step(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root) as reader, aiockpt.sync.Checkpointer(root) as writer:
+        assert reader.refresh() == []
+        writer.save(filled(3), step=3)
+        writer.save(filled(5), step=5)
+        assert reader.refresh() == [3, 5]
+        assert reader.path_of(5) == root / "step-00000005"
+        assert_tree_equal(aiockpt.sync.read(str(reader.path_of(3))), filled(3))
+    assert reader.path_of(7) == root / "step-00000007"  # no event loop needed, also once closed
+    with pytest.raises(aiockpt.CheckpointError, match="closed"):
+        reader.refresh()
+
+
+def test_sync_watch_yields_the_steps_another_thread_commits_from_its_first_next(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root) as watcher, aiockpt.sync.Checkpointer(root) as writer:
+        writer.save(filled(1), step=1)
+        steps = watcher.watch(poll_interval=0.02, coalesce=False)
+        writer.save(filled(2), step=2)  # before the first next(), which lists the root: not yielded
+
+        def write_later() -> None:
+            time.sleep(0.3)  # many poll intervals: the first next() has listed the root by then
+            writer.save(filled(4), step=4)
+
+        thread = threading.Thread(target=write_later)
+        thread.start()
+        try:
+            assert next_within(steps) == 4
+        finally:
+            thread.join()
+        writer.save(filled(3), step=3)  # older than the newest: yielded too (coalesce=False)
+        assert next_within(steps) == 3
+        steps.close()
+
+
+def test_sync_watch_yields_a_step_an_async_checkpointer_commits(root: Path) -> None:
+    enough = threading.Event()
+
+    async def write() -> None:
+        # Until the watch yields one (bounded): a step committed before its first listing is not new.
+        async with aiockpt.Checkpointer(root) as writer:
+            for step in range(10, 1000, 10):
+                await anyio.sleep(0.05)
+                await writer.save(filled(step), step=step)
+                if enough.is_set():
+                    return
+
+    with aiockpt.sync.Checkpointer(root) as watcher:
+        thread = threading.Thread(target=anyio.run, args=(write,))
+        thread.start()
+        seen: list[int] = []
+        try:
+            for step in watcher.watch(poll_interval=0.02):
+                seen.append(step)
+                break
+        finally:
+            enough.set()
+            thread.join()
+        (step,) = seen
+        assert step % 10 == 0
+        assert_tree_equal(watcher.read(step), filled(step))

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import types
+from collections.abc import AsyncGenerator, Generator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
@@ -188,3 +192,169 @@ def test_result_with_a_timeout_raises_the_builtin_timeout_error(root: Path) -> N
             handle.result(timeout=0.05)
         gate.set()
         assert handle.result(timeout=30).step == 1
+
+
+# --- watch() --------------------------------------------------------------------------------------------
+
+
+if TYPE_CHECKING:
+    Watch = types.AsyncGeneratorType[int, None]
+
+
+def spied(ckpt: aiockpt.sync.Checkpointer) -> list[Watch]:
+    """The async watches that ``ckpt``'s watches run on its event-loop thread, as they are made."""
+    made: list[Watch] = []
+    real = ckpt._ckpt.watch
+
+    def watch(*, poll_interval: float = 1.0, coalesce: bool = True) -> AsyncGenerator[int, None]:
+        agen = real(poll_interval=poll_interval, coalesce=coalesce)
+        assert isinstance(agen, types.AsyncGeneratorType)
+        made.append(agen)
+        return agen
+
+    ckpt._ckpt.watch = watch  # type: ignore[method-assign]
+    return made
+
+
+def is_open(agen: Watch) -> bool:
+    """Whether ``agen`` has not finished: it was never closed (nor ended by an exception)."""
+    frame: object = agen.ag_frame  # (None once it has finished)
+    return frame is not None
+
+
+def in_thread(steps: Generator[int, None, None]) -> tuple[threading.Thread, list[int | BaseException]]:
+    """A thread blocked in ``next(steps)`` (once it has started); what it got, or raised, is listed."""
+    got: list[int | BaseException] = []
+
+    def take() -> None:
+        try:
+            got.append(next(steps))
+        except BaseException as exc:  # checked by the test
+            got.append(exc)
+
+    thread = threading.Thread(target=take, name="watching")
+    thread.start()
+    time.sleep(0.2)  # the watch has listed the root, and waits
+    assert not got, got
+    return thread, got
+
+
+def test_leaving_a_watch_loop_closes_the_async_watch_at_once(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root) as watcher, aiockpt.sync.Checkpointer(root) as writer:
+        made = spied(watcher)
+        enough = threading.Event()
+
+        def write() -> None:
+            # Until the watch yields one (bounded): a step committed before its first listing is not new.
+            for step in range(1, 1000):
+                time.sleep(0.05)
+                writer.save({"w": torch.ones(4)}, step=step)
+                if enough.is_set():
+                    return
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        try:
+            for _ in watcher.watch(poll_interval=0.02):
+                assert is_open(made[0])  # suspended where it yielded
+                break
+        finally:
+            enough.set()
+            thread.join()
+        assert not is_open(made[0])  # closed on the event-loop thread, not left to the loop's end
+
+        steps = watcher.watch(poll_interval=0.02)
+        assert len(made) == 1  # nothing runs before the first next()
+        thread, got = in_thread(steps)
+        writer.save({"w": torch.ones(4)}, step=1000)
+        thread.join(10)
+        assert got == [1000]
+        steps.close()
+        assert not is_open(made[1])
+        with pytest.raises(StopIteration):
+            next(steps)
+
+
+def test_closing_the_checkpointer_ends_a_watch_another_thread_waits_in(root: Path) -> None:
+    """Its ``next()`` raises ``CheckpointError`` at once, as the async watch does at its next poll: the
+    close does not wait a poll interval (here a minute) for it, nor does any thread linger."""
+    before = len(sync_threads())
+    watcher = aiockpt.sync.Checkpointer(root)
+    try:
+        made = spied(watcher)
+        steps = watcher.watch(poll_interval=60)
+        thread, got = in_thread(steps)
+        started = time.monotonic()
+        watcher.close()
+        thread.join(10)
+    finally:
+        watcher.close()
+    assert time.monotonic() - started < 10
+    assert not thread.is_alive()
+    (error,) = got
+    assert type(error) is aiockpt.CheckpointError, repr(error)
+    assert "closed" in str(error)
+    assert not is_open(made[0])
+    assert len(sync_threads()) == before
+    with pytest.raises(StopIteration):  # a watch that raised is over
+        next(steps)
+
+
+def test_a_watch_left_open_is_closed_with_its_checkpointer(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root) as watcher, aiockpt.sync.Checkpointer(root) as writer:
+        made = spied(watcher)
+        steps = watcher.watch(poll_interval=0.02)
+        thread, got = in_thread(steps)
+        writer.save({"w": torch.ones(4)}, step=1)
+        thread.join(10)
+        assert got == [1]
+    assert not is_open(made[0])  # the loop's shutdown closed it
+    with pytest.raises(aiockpt.CheckpointError, match="closed"):
+        next(steps)
+    steps.close()
+
+
+def test_an_interrupted_watch_is_cancelled_and_ended_before_next_returns(root: Path) -> None:
+    """As a blocking save is: Ctrl-C in ``next()`` cancels the poll on the event-loop thread and waits
+    for it, which ends the watch (as cancelling a pending ``anext`` does); the Checkpointer goes on."""
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        time.sleep(0.2)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with aiockpt.sync.Checkpointer(root) as watcher:
+            made = spied(watcher)
+            steps = watcher.watch(poll_interval=0.02)
+            helper = threading.Thread(target=interrupt)
+            helper.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    next(steps)
+            finally:
+                helper.join()
+            assert not is_open(made[0])
+            assert watcher._watches.pending == set()
+            with pytest.raises(StopIteration):
+                next(steps)
+            watcher.save({"w": torch.ones(4)}, step=1)
+            assert watcher.steps() == [1]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_watch_errors_are_raised_in_the_caller_thread_as_they_are(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root) as watcher:
+        steps = watcher.watch(poll_interval=0)  # refused at the first next(), as the async watch does
+        with pytest.raises(aiockpt.CheckpointError, match="poll_interval must be positive"):
+            next(steps)
+
+        steps = watcher.watch(poll_interval=0.02)
+        thread, got = in_thread(steps)
+        shutil.rmtree(root)
+        root.write_text("not a directory")
+        thread.join(10)
+        (error,) = got
+        assert type(error) is aiockpt.StorageError, repr(error)
