@@ -16,6 +16,7 @@ from ._dist import DEFAULT_TIMEOUT
 from ._errors import CorruptionError, FormatError
 from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
+from ._insulate import insulated
 from ._interop import detect, load_foreign, read_foreign
 from ._load import deleted_meanwhile, run_load, run_metadata, run_read
 from ._load._ranks import checked_rank
@@ -60,6 +61,7 @@ async def save(
 ) -> SaveHandle: ...
 
 
+@insulated
 async def save(
     state: Mapping[str, object],
     path: str | os.PathLike[str],
@@ -144,6 +146,7 @@ async def save(
     return await handle
 
 
+@insulated
 async def load(
     state: MutableMapping[str, object],
     path: str | os.PathLike[str],
@@ -212,6 +215,7 @@ async def load(
     return state
 
 
+@insulated
 async def read(
     path: str | os.PathLike[str],
     *,
@@ -266,6 +270,7 @@ async def read(
         raise gone from exc
 
 
+@insulated
 async def read_metadata(path: str | os.PathLike[str], *, s3: S3Options | None = None) -> Metadata:
     """What the committed checkpoint at ``path`` holds, from its manifest alone (no tensor is read).
 

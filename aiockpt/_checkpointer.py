@@ -32,6 +32,7 @@ from ._errors import (
 from ._format import MANIFEST_NAME, Key, part_dir_name
 from ._fs import TMP_PREFIX, collect_garbage, flocked, fsync_dir, remove_tree, replace_durable
 from ._handle import Metadata, SaveHandle, SaveState
+from ._insulate import insulated, warn_at_caller
 from ._load import exists, is_checkpoint, run_load, run_metadata, run_read
 from ._memory import StagingPool
 from ._options import IOConfig, check_flags, check_timeout
@@ -400,6 +401,7 @@ class Checkpointer:
 
     # --- Directory state --------------------------------------------------------------------------------
 
+    @insulated
     async def open(self) -> None:
         """Create ``root`` if needed, collect abandoned temp data and index the committed steps.
 
@@ -462,6 +464,7 @@ class Checkpointer:
         self._commit_lock = anyio.Lock()
         self._opened = True
 
+    @insulated
     async def refresh(self) -> list[int]:
         """Re-read the committed steps from disk (they may have been written by another process).
 
@@ -514,6 +517,7 @@ class Checkpointer:
         metadata: dict[str, str | int | float | bool | None] | None = ...,
     ) -> SaveHandle: ...
 
+    @insulated
     async def save(
         self,
         state: Mapping[str, object],
@@ -615,6 +619,7 @@ class Checkpointer:
         self._forget(handle)
         handle._finish(SaveState.CANCELLED)
 
+    @insulated
     async def reserve(self, state: Mapping[str, object]) -> int:
         """Allocate now the staging memory that ``save(state, async_op=True)`` will copy into, and keep it.
 
@@ -663,11 +668,10 @@ class Checkpointer:
             except Exception as exc:
                 # The step is committed and stays so: `latest` is written again, and what retention
                 # left is pruned, after the next commit (or collected by the next open).
-                warnings.warn(
+                warn_at_caller(
                     f"step {step} is committed in {self.root}, but updating `latest` or pruning older "
                     f"steps failed: {exc}",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
                 return
             if step not in self._steps and newest is not None and step < newest:
@@ -677,13 +681,12 @@ class Checkpointer:
                 # save began (a run counting from 1 again). Saves of one run in order of steps get
                 # here only when two in flight commit out of order (a large step 1 after a small step
                 # 2), which is no mistake: no word then.
-                warnings.warn(
+                warn_at_caller(
                     f"step {step} was deleted from {self.root} at once, by retention, right after its "
                     f"save committed it: retention ({self._retention_text()}) keeps steps "
                     f"{_steps_text(self._steps)}, and step {step} is older. A run that numbers its steps "
                     "from the start again needs a root of its own",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
 
     def _retention_text(self) -> str:
@@ -771,6 +774,7 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"step {step} is not a committed checkpoint in {self.root}")
         return step
 
+    @insulated
     async def load(
         self, state: MutableMapping[str, object], *, step: int | None = None, strict: bool = True
     ) -> int | None:
@@ -898,6 +902,7 @@ class Checkpointer:
             for s in fresh:
                 yield s
 
+    @insulated
     async def read(self, step: int | None = None) -> dict[Key, object]:
         """Read checkpoint ``step`` (default: the latest) as a fresh tree of CPU tensors.
 
@@ -921,6 +926,7 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"no committed checkpoint in {self.root}")
         return done[1]
 
+    @insulated
     async def metadata(self, step: int | None = None) -> Metadata:
         """The :class:`Metadata` of checkpoint ``step`` (default: the latest), from its manifest alone.
 
@@ -938,6 +944,7 @@ class Checkpointer:
 
     # --- Closing ----------------------------------------------------------------------------------------
 
+    @insulated
     async def wait(self) -> None:
         """Wait until every save in flight has ended (whatever its outcome).
 
@@ -953,6 +960,7 @@ class Checkpointer:
                 await handle
             self._forget(handle)  # if it ended without reaching its own clean-up
 
+    @insulated
     async def aclose(self, *, cancel: bool = False) -> None:
         """Wait for the saves in flight (or cancel them with ``cancel=True``), then free staging buffers.
 

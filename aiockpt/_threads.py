@@ -1,13 +1,16 @@
 """Running blocking work off the event loop, with cooperative abort on cancellation.
 
-anyio waits for a worker thread to return even when the awaiting task is cancelled (a thread cannot be
-interrupted). So that cancelling a multi-GB write does not mean waiting for it to finish, workers poll a
-:class:`threading.Event` between units of work, and :func:`run_workers` sets it the moment its task is
-cancelled or any worker fails.
+A wait for a worker thread never ends before the thread has returned, whatever cancels the waiting task
+(a thread cannot be interrupted, and what it makes or writes must be cleaned up after it, not before).
+anyio's own wait holds against anyio cancellation only; :func:`_in_thread` holds against asyncio's
+``task.cancel()`` too. So that cancelling a multi-GB write does not mean waiting for it to finish,
+workers poll a :class:`threading.Event` between units of work, and :func:`run_workers` sets it the
+moment its task is cancelled or any worker fails.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import gc
@@ -17,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import anyio
 
@@ -118,12 +121,89 @@ def yield_gil() -> None:
         _last_offer.at = time.perf_counter()
 
 
+class _Dropped(Exception):
+    """What a call whose waiting task gave up before its thread began "raises" (to nobody)."""
+
+
+class _Call(Generic[T]):
+    """One call handed to a worker thread, and whether it has begun (see :func:`_in_thread`)."""
+
+    def __init__(self, fn: Callable[[], T], loop: asyncio.AbstractEventLoop) -> None:
+        self.fn = fn
+        self.lock = threading.Lock()
+        self.state = "pending"  # then "running" (in the thread) or "dropped" (by the waiting task)
+        self.ended: asyncio.Future[None] = loop.create_future()
+        self.loop = loop
+        # The outcome, also for a waiting task whose wait asyncio cancelled (anyio drops it then).
+        self.result: T | None = None
+        self.failure: BaseException | None = None
+
+    def __call__(self) -> T:
+        with self.lock:
+            if self.state == "dropped":
+                raise _Dropped  # the waiting task gave up before the thread began: nothing runs
+            self.state = "running"
+        try:
+            self.result = self.fn()
+            return self.result
+        except BaseException as exc:
+            self.failure = exc
+            raise
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                self.loop.call_soon_threadsafe(_settle, self.ended)
+
+    def began(self) -> bool:
+        """Whether the thread runs (or ran) the call; if not, it never will."""
+        with self.lock:
+            if self.state == "pending":
+                self.state = "dropped"
+            return self.state == "running"
+
+
+def _settle(ended: asyncio.Future[None]) -> None:
+    if not ended.done():
+        ended.set_result(None)
+
+
+async def _in_thread(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None) -> T:
+    """``fn()`` in one of anyio's worker threads; a cancellation waits for the thread to return.
+
+    anyio's wait is shielded from anyio cancellation, not from asyncio's ``task.cancel()`` (from
+    ``asyncio.timeout``, ``asyncio.wait_for``, or ``asyncio.run`` cancelling every task left as a loop
+    ends): that raises at the wait and drops the call's outcome while the thread goes on. Here the
+    cancellation is re-raised once the thread has returned (or at once, where it had not begun, and then
+    never does); further ones meanwhile are absorbed.
+    """
+    loop = asyncio.get_running_loop()
+    call = _Call(fn, loop)
+    try:
+        return await anyio.to_thread.run_sync(call, limiter=limiter)
+    except asyncio.CancelledError:
+        if call.began():
+            await _until(call.ended)
+        raise
+
+
+async def _until(ended: asyncio.Future[None]) -> None:
+    """Wait for ``ended``, through any cancellation (each absorbed one is taken back). Event-loop thread."""
+    task = asyncio.current_task()
+    with anyio.CancelScope(shield=True):  # anyio delivers nothing here; asyncio may, once per cancel()
+        while not ended.done():
+            try:
+                await asyncio.shield(ended)
+            except asyncio.CancelledError:
+                if task is not None and sys.version_info >= (3, 11):
+                    task.uncancel()
+
+
 async def run_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
     """Run one short blocking call in a worker thread (the event loop keeps ticking).
 
     The call runs on the caller's CUDA device and streams, where a save or load noted them (see ``_cuda``).
+    A cancellation, of any kind, propagates once the call has returned.
     """
-    return await anyio.to_thread.run_sync(as_caller(fn), limiter=limiter)
+    return await _in_thread(as_caller(fn), limiter)
 
 
 async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | None = None) -> T:
@@ -133,9 +213,25 @@ async def acquire_sync(fn: Callable[[], T], limiter: anyio.CapacityLimiter | Non
     resource. Here the call is shielded, so the caller always receives the result and owns its clean-up;
     a pending cancellation is delivered at the caller's next checkpoint instead.
     """
-    with anyio.CancelScope(shield=True):
-        result = await anyio.to_thread.run_sync(as_caller(fn), limiter=limiter)
-    return result  # noqa: RET504 (mypy sees the shielded scope as able to swallow a return)
+    call = _Call(as_caller(fn), asyncio.get_running_loop())
+    try:
+        with anyio.CancelScope(shield=True):
+            result = await anyio.to_thread.run_sync(call, limiter=limiter)
+    except asyncio.CancelledError:
+        # asyncio's task.cancel(), which the shield does not hold off: the result is the caller's all the
+        # same, and the cancellation is delivered again, at its next await.
+        if not call.began():
+            raise
+        await _until(call.ended)
+        if call.failure is not None:
+            raise
+        task = asyncio.current_task()
+        assert task is not None
+        if sys.version_info >= (3, 11):
+            task.uncancel()  # what cancel() below counts again
+        task.cancel()
+        return call.result  # type: ignore[return-value]
+    return result
 
 
 # Objects freed at a time between offers of the GIL when a large container is dismantled: each slice of
@@ -181,7 +277,7 @@ async def release(box: list[object], limiter: anyio.CapacityLimiter | None = Non
     first.
     """
     with anyio.CancelScope(shield=True):
-        await anyio.to_thread.run_sync(partial(dismantle, box), limiter=limiter)
+        await _in_thread(partial(dismantle, box), limiter)
 
 
 def _can_lower(nice: int) -> bool:
@@ -296,7 +392,7 @@ async def run_each(
         outer.start_soon(abort_on_cancel)
         async with anyio.create_task_group() as workers:
             for work in works:
-                workers.start_soon(partial(anyio.to_thread.run_sync, partial(run, work), limiter=limiter))
+                workers.start_soon(_in_thread, partial(run, work), limiter)
         outer.cancel_scope.cancel()
     if errors:
         raise errors[0]

@@ -23,6 +23,7 @@ import anyio
 from ._errors import CheckpointNotFoundError, CorruptionError, StorageError
 from ._format import Chunk, Manifest
 from ._gc import paused
+from ._insulate import insulated
 from ._load import exists, read_manifest
 from ._load._direct import DirectReads, copy_checked, reads_direct, split_direct
 from ._load._read import chunk_error, read_checked
@@ -201,6 +202,7 @@ def _close_all(
         os.close(fd)
 
 
+@insulated
 async def verify(
     path: str | os.PathLike[str],
     *,

@@ -83,7 +83,7 @@ async def load_foreign(
                 lambda: match(manifest, state, allow_pickle=allow_pickle, data=source.data), limiter
             )
             plan.differences[:0] = extra
-            settle(plan, path, strict=strict, stacklevel=3)
+            settle(plan, path, strict=strict)
             await source.fill(manifest, plan.destinations, threads=io.thread_count, limiter=limiter)
             await hand_over(plan, limiter)
             assign(plan)

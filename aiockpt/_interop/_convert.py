@@ -29,6 +29,7 @@ from .._errors import CheckpointError, CheckpointExistsError, StateError, Storag
 from .._format import Key, KeyPath
 from .._fs import OwnerLock, fsync_dir, rename_noreplace
 from .._handle import SaveMetrics
+from .._insulate import insulated
 from .._load import run_metadata
 from .._load._ranks import checked_rank
 from .._memory import StagingPool, byte_view, nbytes_of
@@ -313,6 +314,7 @@ async def _check_rank(src: str | os.PathLike[str], rank: int, *, given: bool) ->
         )
 
 
+@insulated
 async def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],

@@ -7,7 +7,6 @@ tensors already filled in place when a later block fails verification.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import MutableMapping
 from functools import partial
 from typing import cast
@@ -27,6 +26,7 @@ from .._errors import (
 )
 from .._format import MANIFEST_NAME, RANKS_VERSION, Key, Manifest
 from .._handle import Metadata
+from .._insulate import warn_at_caller
 from .._options import IOConfig
 from .._storage import Location, S3Path
 from .._threads import release, responsive, run_sync
@@ -148,10 +148,8 @@ async def hand_over(plan: LoadPlan, limiter: anyio.CapacityLimiter | None) -> No
         await run_sync(call_all, limiter)
 
 
-def settle(plan: LoadPlan, where: object, *, strict: bool, stacklevel: int = 4) -> None:
-    """Refuse (``strict``) or warn about the plan's differences before anything is loaded.
-
-    ``stacklevel`` counts from here, as for :func:`warnings.warn`.
+def settle(plan: LoadPlan, where: object, *, strict: bool) -> None:
+    """Refuse (``strict``) or warn (at the caller's line) about the plan's differences before anything loads.
 
     Raises:
         StateMismatchError: ``strict`` and the plan lists differences.
@@ -159,11 +157,8 @@ def settle(plan: LoadPlan, where: object, *, strict: bool, stacklevel: int = 4) 
     if plan.differences:
         if strict:
             raise StateMismatchError(plan.differences)
-        warnings.warn(
-            f"loaded {where} partially; not loaded: " + "; ".join(plan.differences),
-            StateMismatchWarning,
-            stacklevel=stacklevel,
-        )
+        missing = "; ".join(plan.differences)
+        warn_at_caller(f"loaded {where} partially; not loaded: {missing}", StateMismatchWarning)
 
 
 def readable(plan: LoadPlan, where: object) -> None:

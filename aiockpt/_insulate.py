@@ -1,0 +1,99 @@
+"""Native asyncio cancellation turned into anyio cancellation at the public coroutines.
+
+anyio's shielded scopes (clean-up that must finish, a thread whose result owns a resource) hold against
+anyio cancellation only. ``task.cancel()``, which ``asyncio.timeout``, ``asyncio.wait_for`` and
+``asyncio.run`` (on the tasks left when its coroutine returns) call, raises ``CancelledError`` at
+whatever the task awaits, shielded or not. A wait for a worker thread then ends at once while the
+thread goes on: a save's clean-up removed its temp directory before the thread made it, or a load
+returned while its readers still wrote into the caller's tensors.
+
+So each public coroutine runs its body in a task of its own, in a task group of the caller's task. A
+native cancellation of the caller reaches the task group's wait, which cancels the body the anyio way
+(its shields hold), waits for it to end, and re-raises the caller's ``CancelledError``, which
+``asyncio.timeout`` turns into ``TimeoutError`` as usual.
+
+The caller's frame is not on the child task's stack, so warnings about the call cannot find it by
+``stacklevel``: the outermost public call notes where it was made, and :func:`warn_at_caller` warns
+there.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Awaitable, Callable, Coroutine
+from contextvars import ContextVar
+from typing import Any, ParamSpec, TypeVar
+
+import anyio
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Where the outermost public call was made (file, line, the module's globals), in its child task and in
+# the tasks that one starts (a background save): warnings about the call point there.
+_caller: ContextVar[tuple[str, int, dict[str, Any]] | None] = ContextVar("aiockpt_caller", default=None)
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """Warn as :func:`warnings.warn` does, at the line of the public call this one runs in.
+
+    Outside one (or where it was called from no Python frame), at this function's caller.
+    """
+    where = _caller.get()
+    if where is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    filename, lineno, module_globals = where
+    warnings.warn_explicit(
+        message,
+        category,
+        filename,
+        lineno,
+        module=module_globals.get("__name__"),
+        registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
+    )
+
+
+def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Run ``fn`` in a child task, so that a native cancellation of the caller is an anyio one for it.
+
+    Its result or exception reaches the caller as it is (not in an exception group). A cancellation of
+    the caller still propagates once ``fn`` has ended, also where ``fn`` completed meanwhile (a save that
+    committed, say), as it would with anyio cancellation.
+    """
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        results: list[T] = []
+        failures: list[BaseException] = []
+
+        async def body() -> None:
+            try:
+                results.append(await fn(*args, **kwargs))
+            except anyio.get_cancelled_exc_class():
+                raise
+            except BaseException as exc:  # handed to the caller as is, KeyboardInterrupt included
+                failures.append(exc)
+
+        token = None
+        if _caller.get() is None:
+            frame = sys._getframe(1)  # the awaiting frame: the caller's code
+            token = _caller.set((frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(body)
+        finally:
+            if token is not None:
+                _caller.reset(token)
+        if failures:
+            failure = failures.pop()
+            try:
+                raise failure
+            finally:
+                del failure  # no cycle through this frame's traceback
+        return results[0]
+
+    return wrapper

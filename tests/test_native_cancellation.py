@@ -1,0 +1,269 @@
+"""asyncio's own cancellation (``task.cancel()``, ``asyncio.timeout``, ``asyncio.wait_for``).
+
+anyio's shields do not hold against it: before the public coroutines ran their bodies in a task of their
+own, a save cancelled while a worker thread made its temp dir returned at once, the thread then left the
+temp dir behind, and a load returned while its thread still ran on the caller's objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import aiockpt
+import aiockpt._save
+from aiockpt import Checkpointer, SaveState
+
+_HOLD_S = 0.3
+
+
+def _state() -> dict[str, object]:
+    return {"w": torch.arange(1 << 16, dtype=torch.float32), "step": 3}
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp"))
+
+
+class _Gate:
+    """Holds a worker thread in a patched call until released; records whether the call has returned."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.returned = threading.Event()
+
+    def hold(self, call: Callable[[], object]) -> object:
+        try:
+            return call()
+        finally:
+            self.entered.set()
+            assert self.go.wait(10), "the test never released the gate"
+            self.returned.set()
+
+    async def wait_entered(self) -> None:
+        assert await anyio.to_thread.run_sync(self.entered.wait, 10), "the patched call never ran"
+
+    def release_later(self) -> threading.Timer:
+        timer = threading.Timer(_HOLD_S, self.go.set)
+        timer.start()
+        return timer
+
+
+@pytest.fixture
+def gated_prepare(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
+    """A save's temp dir is made by a worker thread that then waits at the gate."""
+    gate = _Gate()
+    real = aiockpt._save._prepare_target
+    monkeypatch.setattr(aiockpt._save, "_prepare_target", lambda path: gate.hold(lambda: real(path)))
+    yield gate
+    gate.go.set()
+
+
+async def test_task_cancel_waits_for_the_thread_and_leaves_no_temp_dir(
+    tmp_path: Path, gated_prepare: _Gate
+) -> None:
+    task = asyncio.create_task(aiockpt.save(_state(), tmp_path / "c"))
+    await gated_prepare.wait_entered()
+    timer = gated_prepare.release_later()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The call ended only once its thread had, and its clean-up then removed what the thread made.
+    assert gated_prepare.returned.is_set()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    timer.join()
+    await anyio.sleep(0.05)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.timeout is new in Python 3.11")
+async def test_asyncio_timeout_raises_timeout_error_and_leaves_no_temp_dir(
+    tmp_path: Path, gated_prepare: _Gate
+) -> None:
+    timeout: Any = getattr(asyncio, "timeout")  # noqa: B009 (mypy checks for Python 3.10)
+    timer = gated_prepare.release_later()
+    with pytest.raises(TimeoutError):
+        async with timeout(0.05):
+            await aiockpt.save(_state(), tmp_path / "c")
+    assert gated_prepare.returned.is_set()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    timer.join()
+    await aiockpt.save(_state(), tmp_path / "c")  # nothing of the cancelled save is in the way
+
+
+async def test_wait_for_on_a_checkpointer_frees_its_slot_and_step(
+    tmp_path: Path, gated_prepare: _Gate
+) -> None:
+    async with Checkpointer(tmp_path / "root", max_inflight=1, on_busy="error") as ckpt:
+        timer = gated_prepare.release_later()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ckpt.save(_state(), step=1), timeout=0.05)
+        assert gated_prepare.returned.is_set()
+        assert _leftovers(tmp_path / "root") == []
+        timer.join()
+        gated_prepare.go.set()
+        await ckpt.save(_state(), step=1)  # the slot (on_busy="error" would refuse) and the step are free
+        assert ckpt.steps() == [1]
+
+
+class _SlowLinear(torch.nn.Linear):
+    """A module whose ``load_state_dict`` (run by a load's worker thread) waits at a gate."""
+
+    def __init__(self, gate: _Gate) -> None:
+        super().__init__(4, 4)
+        self.gate = gate
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.gate.hold(lambda: super(_SlowLinear, self).load_state_dict(*args, **kwargs))
+
+
+async def test_a_cancelled_load_returns_only_once_its_thread_is_done_with_the_objects(tmp_path: Path) -> None:
+    gate = _Gate()
+    module = _SlowLinear(gate)
+    await aiockpt.save({"model": torch.nn.Linear(4, 4)}, tmp_path / "c")
+    task = asyncio.create_task(aiockpt.load({"model": module}, tmp_path / "c"))
+    await gate.wait_entered()
+    timer = gate.release_later()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert gate.returned.is_set(), "the load returned while its thread still ran load_state_dict"
+    timer.join()
+
+
+async def test_a_starter_cancelled_once_staged_gives_no_loop_end_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cancellation that lands after the save reported "staged" but before its starter resumed: the
+    # starter raises, and the save was cancelled with it, which the RuntimeWarning meant for a loop
+    # that ends with a save in flight was said of. Now the starter's cancellation does not reach the
+    # save, which goes on (here: fails) in the Checkpointer's care.
+    caller: list[asyncio.Task[object]] = []
+
+    async def staged_then_caller_cancelled(
+        *args: object, report: Callable[[SaveState], None], **kw: object
+    ) -> None:
+        report(SaveState.STAGED)
+        caller[0].cancel()
+        await anyio.sleep(0.1)
+        raise aiockpt.StorageError("the fake save's write failed")
+
+    monkeypatch.setattr("aiockpt._checkpointer.run_save", staged_then_caller_cancelled)
+    async with Checkpointer(tmp_path / "root") as ckpt:
+
+        async def start() -> object:
+            return await ckpt.save(_state(), step=1, async_op=True)
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            caller.append(asyncio.create_task(start()))
+            with pytest.raises(asyncio.CancelledError):
+                await caller[0]
+            await ckpt.wait()
+        assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
+        monkeypatch.undo()
+        await ckpt.save(_state(), step=1)  # its slot and step were given back
+        assert ckpt.steps() == [1]
+
+
+async def test_cancelling_a_task_that_started_a_save_and_awaits_its_handle_does_not_cancel_the_save(
+    tmp_path: Path, gated_prepare: _Gate
+) -> None:
+    # docs/concepts.md: "Cancelling a task that merely awaits a handle does not cancel the save", also
+    # natively, and also the task that started it (in a child task of its own, see aiockpt._insulate).
+    handles: list[aiockpt.SaveHandle] = []
+    async with Checkpointer(tmp_path / "root") as ckpt:
+
+        async def start_and_wait() -> None:
+            handles.append(await ckpt.save(_state(), step=1, async_op=True))
+            await handles[0]
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            task = asyncio.create_task(start_and_wait())
+            await gated_prepare.wait_entered()  # staged, the handle returned: its write is starting
+            timer = gated_prepare.release_later()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            meta = await handles[0]
+            timer.join()
+        assert meta.step == 1
+        assert ckpt.steps() == [1]
+        assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
+
+
+async def test_insulated_calls_raise_their_own_errors_not_exception_groups(tmp_path: Path) -> None:
+    with pytest.raises(aiockpt.CheckpointNotFoundError):
+        await aiockpt.read(tmp_path / "missing")
+    await aiockpt.save(_state(), tmp_path / "d")
+    with pytest.raises(aiockpt.CheckpointExistsError):
+        await aiockpt.save(_state(), tmp_path / "d")
+
+
+def _here() -> int:
+    """The line after the caller's (where its next statement is)."""
+    frame = inspect.currentframe()
+    assert frame is not None
+    assert frame.f_back is not None
+    return frame.f_back.f_lineno + 1
+
+
+def _located(seen: list[warnings.WarningMessage], category: type[Warning]) -> list[tuple[str, int]]:
+    return [(w.filename, w.lineno) for w in seen if issubclass(w.category, category)]
+
+
+async def test_warnings_about_a_call_point_at_the_line_of_the_call(tmp_path: Path) -> None:
+    # The call's body runs in a task of its own, on whose stack the caller's frame is not: a stacklevel
+    # pointed into asyncio, where the default filter shows a warning once for every caller.
+    await aiockpt.save({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "c")
+    torch.save({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "t.pt")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        line = _here()
+        await aiockpt.load({"a": torch.zeros(2)}, tmp_path / "c", strict=False)
+        foreign = _here()
+        await aiockpt.load({"a": torch.zeros(2)}, tmp_path / "t.pt", strict=False)
+        async with Checkpointer(tmp_path / "root", keep_last=1) as ckpt:
+            await ckpt.save({"a": torch.ones(2)}, step=5)
+            other = _here()
+            await ckpt.load({"a": torch.zeros(2), "c": torch.zeros(1)}, strict=False)
+            retained = _here()
+            await ckpt.save({"a": torch.ones(2)}, step=3)  # retention deletes it at once
+            background = _here()
+            handle = await ckpt.save({"a": torch.ones(2)}, step=2, async_op=True)
+            await handle
+    assert _located(seen, aiockpt.StateMismatchWarning) == [
+        (__file__, line),
+        (__file__, foreign),
+        (__file__, other),
+    ]
+    assert _located(seen, RuntimeWarning) == [(__file__, retained), (__file__, background)]
+
+
+def test_a_loop_that_ends_with_a_save_in_a_thread_waits_for_the_thread_and_cleans_up(
+    tmp_path: Path, gated_prepare: _Gate
+) -> None:
+    # asyncio.run cancels every task left, one by one and natively, the background save's included,
+    # while a worker thread of it is making its temp dir: the cancellation now waits for the thread,
+    # and the save's clean-up then removes what the thread made.
+    async def forgets() -> None:
+        await aiockpt.save(_state(), tmp_path / "c", async_op=True)
+        await gated_prepare.wait_entered()
+        gated_prepare.release_later()
+
+    with pytest.warns(RuntimeWarning, match="the event loop ended"):
+        asyncio.run(forgets())
+    assert gated_prepare.returned.is_set()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
