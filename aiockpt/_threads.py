@@ -131,7 +131,9 @@ class _Call(Generic[T]):
     def __init__(self, fn: Callable[[], T], loop: asyncio.AbstractEventLoop) -> None:
         self.fn = fn
         self.lock = threading.Lock()
-        self.state = "pending"  # then "running" (in the thread) or "dropped" (by the waiting task)
+        # "pending", then "running" and "done" (in the thread), or "dropped" (by the waiting task).
+        self.state = "pending"
+        self.waiting = False  # a cancelled task waits for ``ended`` (only then is the loop woken for it)
         self.ended: asyncio.Future[None] = loop.create_future()
         self.loop = loop
         # The outcome, also for a waiting task whose wait asyncio cancelled (anyio drops it then).
@@ -150,15 +152,27 @@ class _Call(Generic[T]):
             self.failure = exc
             raise
         finally:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                self.loop.call_soon_threadsafe(_settle, self.ended)
+            with self.lock:
+                self.state = "done"
+                waiting = self.waiting
+            if waiting:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                    self.loop.call_soon_threadsafe(_settle, self.ended)
 
     def began(self) -> bool:
-        """Whether the thread runs (or ran) the call; if not, it never will."""
+        """Whether the thread runs (or ran) the call; if not, it never will. Event-loop thread.
+
+        From here on ``ended`` is set once the call has returned.
+        """
         with self.lock:
             if self.state == "pending":
                 self.state = "dropped"
-            return self.state == "running"
+                return False
+            if self.state == "done":
+                _settle(self.ended)
+            else:
+                self.waiting = True
+            return True
 
 
 def _settle(ended: asyncio.Future[None]) -> None:
