@@ -1,9 +1,10 @@
-"""Integrity of foreign sources: safetensors offsets must tile the data, DCP records must match their CRC-32.
+"""Integrity of foreign sources: safetensors offsets must tile the data, zip records must match their CRC-32.
 
 safetensors headers are checked as the reference reader checks them (each case is also refused, or
 accepted, by ``safetensors`` itself). DCP checkpoints are written by ``dcp.save`` and damaged by hand: a
 flipped byte in a tensor's record, read in place, resharded or decoded, or in a value's pickle, is
 reported naming the key and the ``.distcp`` file (neither ``torch.load`` nor ``dcp.load`` notices it).
+``torch.save`` files are damaged the same way: in a tensor's record or in ``data.pkl``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from safetensors.torch import load_file, save_file
 import aiockpt
 from aiockpt._interop import _records
 from aiockpt._interop._dcp import DcpSource
+from aiockpt._interop._torchfile import TorchFileSource
 from aiockpt._load._match import Destination
 
 # --- safetensors: the tensors must tile the data section ----------------------------------------------------
@@ -162,11 +165,16 @@ def _record(
         v for k, v in md.storage_data.items() if k.fqn == fqn and (offsets is None or k.offset == offsets)
     ]
     file = directory / info.relative_path
-    blob = file.read_bytes()[info.offset : info.offset + info.length]
+    start, length = _in_archive(file.read_bytes()[info.offset : info.offset + info.length], suffix)
+    return file, info.offset + start, length
+
+
+def _in_archive(blob: bytes, suffix: str) -> tuple[int, int]:
+    """The offset and length of the bytes of the record ``*suffix`` of the zip archive ``blob``."""
     with zipfile.ZipFile(io.BytesIO(blob)) as zf:
         (record,) = [i for i in zf.infolist() if i.filename.endswith(suffix)]
     name_len, extra_len = struct.unpack_from("<HH", blob, record.header_offset + 26)
-    return file, info.offset + record.header_offset + 30 + name_len + extra_len, record.file_size
+    return record.header_offset + 30 + name_len + extra_len, record.file_size
 
 
 def _flip(file: Path, at: int) -> None:
@@ -371,6 +379,170 @@ async def test_dcp_bytes_changed_in_memory_are_told_from_a_damaged_file(tmp_path
             threads=1,
             limiter=None,
         )
+
+
+# --- torch.save files: every record a load uses matches its CRC-32 ---------------------------------------
+
+
+def _pt_save(state: dict[str, Any], file: Path, suffix: str) -> tuple[int, int]:
+    """``torch.save`` ``state`` as ``file``; the offset and length of its record ``*suffix``."""
+    torch.save(state, file)
+    return _in_archive(file.read_bytes(), suffix)
+
+
+def _zeros(state: dict[str, Any]) -> dict[str, Any]:
+    """A target of ``state``'s shape: zero tensors, and the other values as they are."""
+    return {
+        k: _zeros(v) if isinstance(v, dict) else torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+        for k, v in state.items()
+    }
+
+
+async def test_torch_save_flipped_byte_in_a_tensor_names_key_and_file(tmp_path: Path) -> None:
+    # torch.load(mmap=True) maps the record as the tensor's bytes, unchecked: silently wrong values.
+    model = _state(4)
+    state: dict[str, Any] = {"model": model, "step": 3}
+    file = tmp_path / "x.pt"
+    start, length = _pt_save(state, file, "/data/0")  # (storages are numbered in pickling order: w's)
+    assert file.read_bytes()[start : start + length] == model["w"].numpy().tobytes()
+    assert_tree_equal(await aiockpt.read(file), state)  # undamaged: bit-exact
+    target = _zeros(state)
+    await aiockpt.load(target, file)
+    assert_tree_equal(target, state)
+    _flip(file, start + length // 2)
+    target = _zeros(state)
+    with pytest.raises(
+        aiockpt.CorruptionError, match=r"checksum mismatch in .*x\.pt for key 'model/w'"
+    ) as info:
+        await aiockpt.load(target, file)
+    assert (info.value.key, info.value.file) == ("model/w", str(file))
+    assert_tree_equal(target, _zeros(state))  # checked before anything is copied
+    with pytest.raises(aiockpt.CorruptionError, match="its zip record's CRC-32") as info:
+        await aiockpt.read(file)
+    assert (info.value.key, info.value.file) == ("model/w", str(file))
+    # Loading only the undamaged keys still works: only the records copied from are checked.
+    rest: dict[str, object] = {"model": {k: torch.zeros_like(v) for k, v in model.items() if k != "w"}}
+    with pytest.warns(aiockpt.StateMismatchWarning):
+        await aiockpt.load(rest, file, strict=False)
+    assert_tree_equal(rest["model"], {k: v for k, v in model.items() if k != "w"})
+
+
+async def test_torch_save_view_is_checked_over_its_whole_storage(tmp_path: Path) -> None:
+    # torch.save writes a view's whole storage as its record: a flip outside the view is damage all the same.
+    base = torch.arange(16, dtype=torch.float32)
+    file = tmp_path / "x.pt"
+    start, _ = _pt_save({"a": torch.ones(2), "v": base[8:]}, file, "/data/1")
+    _flip(file, start + 1)  # an element of base[:8], outside the view
+    target: dict[str, object] = {"a": torch.zeros(2), "v": torch.zeros(8)}
+    with pytest.raises(aiockpt.CorruptionError, match="for key 'v'"):
+        await aiockpt.load(target, file)
+    a = torch.zeros(2)
+    with pytest.warns(aiockpt.StateMismatchWarning):
+        await aiockpt.load({"a": a}, file, strict=False)
+    assert torch.equal(a, torch.ones(2))
+
+
+@pytest.mark.parametrize("flip", ["key", "stop"])
+async def test_torch_save_flipped_byte_in_the_pickle_names_the_file(tmp_path: Path, flip: str) -> None:
+    # The key "w" became "v" without a word; a damaged STOP opcode was refused as an object that
+    # torch.load(weights_only=True) does not allow ("pass allow_pickle=True if you trust this file").
+    file = tmp_path / "x.pt"
+    start, length = _pt_save({"w": torch.ones(3)}, file, "data.pkl")
+    pickled = file.read_bytes()[start : start + length]
+    assert pickled.count(b"X\x01\x00\x00\x00w") == 1  # BINUNICODE "w"
+    assert pickled.endswith(b".")  # STOP
+    _flip(file, start + (pickled.index(b"X\x01\x00\x00\x00w") + 5 if flip == "key" else length - 1))
+    with pytest.raises(
+        aiockpt.CorruptionError, match=r"checksum mismatch in .*x\.pt: its zip record '.*data\.pkl'"
+    ) as info:
+        await aiockpt.read(file)
+    assert (info.value.key, info.value.file) == (None, str(file))
+    with pytest.raises(aiockpt.CorruptionError, match=r"'.*data\.pkl'"):
+        await aiockpt.load({"w": torch.zeros(3)}, file, allow_pickle=True)
+
+
+@pytest.mark.usefixtures("without_crcs")
+async def test_torch_save_saved_without_crcs_loads_unchecked(tmp_path: Path) -> None:
+    state = _state(5)
+    file = tmp_path / "x.pt"
+    start, length = _pt_save(state, file, "/data/0")
+    assert_tree_equal(await aiockpt.read(file), state)
+    target = _zeros(state)
+    await aiockpt.load(target, file)
+    assert_tree_equal(target, state)
+    _flip(file, start + length // 2)
+    await aiockpt.load(target, file)  # cannot be checked: loaded as it is
+    assert not torch.equal(target["w"], state["w"])
+
+
+async def test_torch_save_large_records_are_checked_in_blocks_on_several_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_records, "_BLOCK", 4096)
+    monkeypatch.setattr(_records, "_ONE_THREAD", 0)
+    monkeypatch.setattr(_records, "_INLINE", 0)
+    gen = torch.Generator().manual_seed(6)
+    state = {f"t{i}": random_tensor(torch.float32, (1000 + 37 * i,), gen) for i in range(6)}
+    file = tmp_path / "x.pt"
+    start, length = _pt_save(state, file, "/data/5")
+    target = _zeros(state)
+    await aiockpt.load(target, file, io=aiockpt.IOConfig(threads=3))
+    assert_tree_equal(target, state)
+    _flip(file, start + length - 1)  # in its last block
+    with pytest.raises(aiockpt.CorruptionError, match="for key 't5'"):
+        await aiockpt.load(target, file, io=aiockpt.IOConfig(threads=3))
+
+
+@dataclass
+class Holder:
+    """An object holding a tensor: pickled whole into the tree ``read`` returns, its tensor included."""
+
+    t: torch.Tensor
+
+
+async def test_torch_save_tensor_inside_a_pickled_object_is_checked(tmp_path: Path) -> None:
+    file = tmp_path / "x.pt"
+    start, length = _pt_save({"w": torch.ones(4), "h": Holder(torch.arange(4.0))}, file, "/data/1")
+    holder = (await aiockpt.read(file, allow_pickle=True))["h"]
+    assert isinstance(holder, Holder)
+    assert torch.equal(holder.t, torch.arange(4.0))
+    _flip(file, start + length - 1)
+    with pytest.raises(aiockpt.CorruptionError, match=r"for its zip record '.*/data/1'") as info:
+        await aiockpt.read(file, allow_pickle=True)
+    assert (info.value.key, info.value.file) == (None, str(file))
+
+
+async def test_torch_save_not_mapped_has_every_record_checked(tmp_path: Path) -> None:
+    # A deflated data.pkl: torch.load then reads every storage into memory of its own, where no record
+    # can be told from its address. Every (stored) record is checked, named as a record.
+    state = _state(7)
+    plain = io.BytesIO()
+    torch.save(state, plain)
+    file = tmp_path / "x.pt"
+    with zipfile.ZipFile(plain) as src, zipfile.ZipFile(file, "w") as dst:
+        for info in src.infolist():
+            kind = zipfile.ZIP_DEFLATED if info.filename.endswith("data.pkl") else zipfile.ZIP_STORED
+            dst.writestr(zipfile.ZipInfo(info.filename), src.read(info), compress_type=kind)
+    assert_tree_equal(await aiockpt.read(file), state)
+    start, _ = _in_archive(file.read_bytes(), "/data/2")
+    _flip(file, start)
+    with pytest.raises(aiockpt.CorruptionError, match=r"for its zip record '.*/data/2'"):
+        await aiockpt.load(_zeros(state), file)
+    source = TorchFileSource(file, allow_pickle=False)
+    source.close()
+    assert source.located == [None] * 3  # (the case this test is about)
+    assert len(source.unheld) == 3
+
+
+@pytest.mark.parametrize("to", ["aiockpt", "torch", "safetensors", "dcp"])
+async def test_convert_from_a_damaged_torch_save_file_leaves_nothing(tmp_path: Path, to: str) -> None:
+    file = tmp_path / "x.pt"
+    start, length = _pt_save(_state(8), file, "/data/1")
+    _flip(file, start + length // 2)
+    dst = tmp_path / ("out.safetensors" if to == "safetensors" else "out")
+    with pytest.raises(aiockpt.CorruptionError, match="for key 'b'"):
+        await aiockpt.convert(file, dst, to=to)  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.pt"]
 
 
 def test_crc32_combine_is_zlibs() -> None:

@@ -1,10 +1,12 @@
-"""Checking DCP chunks read in place against the CRC-32 of the zip records they were read from.
+"""Checking bytes read from ``torch.save`` zip records against the records' CRC-32.
 
-A DCP chunk stored as a plain record is read by the native reader straight into destination memory (see
-``_dcp``). That reader verifies aiockpt's own block checksums only; a record's CRC-32 (zlib's, from the
-archive's central directory, see ``_torchblob``) covers the whole record. So once the reads are done,
-every record a destination was filled from is checked whole, as the reader always reads whole records
-(a chunk of another box than the destination's goes through a host buffer, then its overlap is copied):
+:func:`check_crcs` checks the records it is given (a ``torch.save`` file's: see ``_torchfile``), and
+:func:`check_records` those of DCP chunks read in place. A DCP chunk stored as a plain record is read by
+the native reader straight into destination memory (see ``_dcp``). That reader verifies aiockpt's own
+block checksums only; a record's CRC-32 (zlib's, from the archive's central directory, see
+``_torchblob``) covers the whole record. So once the reads are done, every record a destination was
+filled from is checked whole, as the reader always reads whole records (a chunk of another box than the
+destination's goes through a host buffer, then its overlap is copied):
 
 - in destination memory, where it holds the record's bytes as read: the chunk is the destination's box,
   or a run of its leading-dimension rows, of a plain CPU tensor whose memory no other target shares;
@@ -13,7 +15,7 @@ every record a destination was filled from is checked whole, as the reader alway
 
 Records longer than ``_BLOCK`` are checked in blocks on several threads, their CRCs combined. A record
 whose CRC is 0 (saved under ``torch.serialization.set_crc32_options(False)``) has nothing to check
-against, and is not in ``crcs``.
+against, and is neither in ``crcs`` nor checked.
 """
 
 from __future__ import annotations
@@ -21,17 +23,17 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
 from .._errors import CorruptionError, StorageError
-from .._format import Chunk, Manifest
+from .._format import KeyPath, Manifest
 from .._gc import paused
 from .._load._match import Destination
-from .._load._read import _overlap, chunk_error, memory_of
+from .._load._read import _overlap, memory_of
 from .._memory import byte_view, plain_cpu, plain_view, view_at
 from .._threads import Aborted, run_sync, run_workers
 from .._tree import render
@@ -77,17 +79,21 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 @dataclass(slots=True)
-class _Check:
-    """Chunk ``chunk`` (number ``number`` of tensor ``index``), to match ``expected``.
+class Check:
+    """A zip record: bytes ``[offset, offset + nbytes)`` of ``file``, to match the CRC-32 ``expected``.
 
-    Its bytes are ``view`` (in destination memory), or (``None``) read from its file.
+    Its bytes are ``view`` (memory that holds them as read), or (``None``) read from the file. Messages
+    name ``key``, the key path of the tensor read from the record, or (``None``: no tensor aiockpt
+    knows of) the record, by its ``name`` in the archive.
     """
 
-    index: int
-    number: int
-    chunk: Chunk
+    key: KeyPath | None
+    file: str  # relative to the directory the checks are made in
+    offset: int
+    nbytes: int
     expected: int
     view: memoryview | None
+    name: str = ""
     crcs: list[int] | None = None  # per block of ``_BLOCK`` bytes, in order (of worker checks)
 
 
@@ -117,15 +123,15 @@ def _shared(spans: list[tuple[int, int, int]], destinations: Mapping[int, Destin
 
 def _plan(
     manifest: Manifest, destinations: Mapping[int, Destination], crcs: Mapping[tuple[int, int], int]
-) -> list[_Check]:
+) -> list[Check]:
     """One check per record read into ``destinations`` (each box once per destination, as the reader)."""
     memory, spans = memory_of(destinations)
     shared = _shared(spans, destinations)
-    checks: list[_Check] = []
+    checks: list[Check] = []
     tensors = manifest.tensors
     for (index, top), mem in zip(destinations.items(), memory, strict=True):
         entry = tensors[index]
-        chunks = entry.chunks
+        chunks, key = entry.chunks, entry.path
         # Targets that also receive copies of this key's values are checked from the file: their memory
         # holds the bytes read only as long as nothing else is copied there.
         alone = index not in shared and not top.also and not top.shards
@@ -140,7 +146,8 @@ def _plan(
                     view = view_at(mem[0], mem[1]) if mem[2] else None
                 else:
                     view = plain_view(top.tensor)
-                checks.append(_Check(index, 0, chunks[0], expected, view))
+                chunk = chunks[0]
+                checks.append(Check(key, chunk.file, chunk.offset, chunk.nbytes, expected, view))
             continue
         for dest in (top, *top.shards):
             t = dest.tensor
@@ -174,14 +181,14 @@ def _plan(
                     row = t.nbytes // d_size[0]
                     start = (chunk.offsets[0] - d_off[0]) * row
                     view = byte_view(t)[start : start + chunk.sizes[0] * row]
-                checks.append(_Check(index, number, chunk, expected, view))
+                checks.append(Check(key, chunk.file, chunk.offset, chunk.nbytes, expected, view))
     return checks
 
 
-def _lanes(jobs: list[tuple[_Check, int, int]], count: int) -> list[list[tuple[_Check, int, int]]]:
+def _lanes(jobs: list[tuple[Check, int, int]], count: int) -> list[list[tuple[Check, int, int]]]:
     """``jobs`` (check, start, stop) cut into at most ``count`` runs of about equal bytes, in order."""
     total = sum(stop - start for _, start, stop in jobs)
-    lanes: list[list[tuple[_Check, int, int]]] = [[]]
+    lanes: list[list[tuple[Check, int, int]]] = [[]]
     done = 0
     for job in jobs:
         if done >= total * len(lanes) / count and len(lanes) < count:
@@ -209,27 +216,47 @@ async def check_records(
             key and the file.
         StorageError: A data file cannot be read.
     """
-    fds: dict[str, int] = {}
-    checks: list[_Check] = []  # those left to the workers
-    jobs: list[tuple[_Check, int, int]] = []  # (check, start, stop): a block of its record
+    await check_crcs(directory, lambda: _plan(manifest, destinations, crcs), threads=threads, limiter=limiter)
 
-    def plan() -> None:
+
+async def check_crcs(
+    directory: Path,
+    plan: Callable[[], Iterable[Check]],
+    *,
+    threads: int,
+    limiter: anyio.CapacityLimiter | None,
+) -> None:
+    """Check every record ``plan()`` (called in a worker thread) lists, in files under ``directory``.
+
+    Records of up to ``_INLINE`` bytes in memory are checked in that thread; the others in blocks of
+    ``_BLOCK`` bytes, on up to ``threads`` threads.
+
+    Raises:
+        CorruptionError: A record's bytes do not match its CRC-32, or its file is now shorter; names the
+            key (or the record) and the file.
+        StorageError: A file cannot be read.
+    """
+    fds: dict[str, int] = {}
+    checks: list[Check] = []  # those left to the workers
+    jobs: list[tuple[Check, int, int]] = []  # (check, start, stop): a block of its record
+
+    def planned() -> None:
         with paused():  # (10^4 checks: see ``_gc``)
-            for check in _plan(manifest, destinations, crcs):
-                view, nbytes = check.view, check.chunk.nbytes
+            for check in plan():
+                view, nbytes = check.view, check.nbytes
                 if view is not None and nbytes <= _INLINE:  # (its CRC holds the GIL: no gain in a worker)
                     crc = zlib.crc32(view)
                     if crc != check.expected:
-                        raise _mismatch(directory, manifest, check, crc)
+                        raise _mismatch(directory, check, crc)
                     continue
-                if view is None and check.chunk.file not in fds:
-                    fds[check.chunk.file] = _open(directory, manifest, check)
+                if view is None and check.file not in fds:
+                    fds[check.file] = _open(directory, check)
                 blocks = range(0, nbytes, _BLOCK)
                 check.crcs = [0] * len(blocks)
                 jobs.extend((check, lo, min(lo + _BLOCK, nbytes)) for lo in blocks)
                 checks.append(check)
 
-    def worker(lanes: list[list[tuple[_Check, int, int]]], abort: threading.Event) -> None:
+    def worker(lanes: list[list[tuple[Check, int, int]]], abort: threading.Event) -> None:
         lane = lanes.pop()
         scratch: memoryview | None = None  # where records are read from their files, made on first use
         for check, start, stop in lane:
@@ -240,19 +267,19 @@ async def check_records(
             else:
                 if scratch is None:
                     scratch = memoryview(bytearray(max(stop - start for _, start, stop in lane)))
-                crc = _file_crc(directory, manifest, check, fds[check.chunk.file], start, stop, scratch)
-            assert check.crcs is not None  # (made by ``plan`` for every check left to the workers)
+                crc = _file_crc(directory, check, fds[check.file], start, stop, scratch)
+            assert check.crcs is not None  # (made by ``planned`` for every check left to the workers)
             check.crcs[start // _BLOCK] = crc  # (the blocks of a record may be in several lanes)
 
     def conclude() -> None:
         for check in checks:
             assert check.crcs is not None
-            crc = _combined(check.crcs, check.chunk.nbytes)
+            crc = _combined(check.crcs, check.nbytes)
             if crc != check.expected:
-                raise _mismatch(directory, manifest, check, crc)
+                raise _mismatch(directory, check, crc)
 
     try:
-        await run_sync(plan, limiter)
+        await run_sync(planned, limiter)
         if jobs:
             total = sum(stop - start for _, start, stop in jobs)
             count = min(threads, len(jobs), total // _BLOCK + 1) if total > _ONE_THREAD else 1
@@ -275,15 +302,26 @@ def _combined(crcs: list[int], nbytes: int) -> int:
     return crc
 
 
-def _open(directory: Path, manifest: Manifest, check: _Check) -> int:
-    """The data file of ``check``'s chunk, opened to read. Blocking."""
-    chunk = check.chunk
+def _error(directory: Path, check: Check, what: str) -> CorruptionError:
+    """A :class:`CorruptionError` saying ``what`` is wrong with ``check``'s record (as ``chunk_error``)."""
+    file = str(directory / check.file)
+    key = None if check.key is None else render(check.key)
+    subject = f"for key {key!r}" if key is not None else f"for its zip record {check.name!r}"
+    return CorruptionError(
+        f"{what} in {file} {subject} (bytes {check.offset}..{check.offset + check.nbytes})",
+        file=file,
+        key=key,
+    )
+
+
+def _open(directory: Path, check: Check) -> int:
+    """The file of ``check``'s record, opened to read. Blocking."""
     try:
-        return os.open(directory / chunk.file, os.O_RDONLY)
+        return os.open(directory / check.file, os.O_RDONLY)
     except FileNotFoundError:
-        raise chunk_error(directory, manifest, check.index, chunk, "data file is missing") from None
+        raise _error(directory, check, "data file is missing") from None
     except OSError as exc:
-        path = directory / chunk.file
+        path = directory / check.file
         raise StorageError(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
 
 
@@ -293,50 +331,42 @@ def _close(fds: dict[str, int]) -> None:
     fds.clear()
 
 
-def _file_crc(
-    directory: Path, manifest: Manifest, check: _Check, fd: int, start: int, stop: int, scratch: memoryview
-) -> int:
+def _file_crc(directory: Path, check: Check, fd: int, start: int, stop: int, scratch: memoryview) -> int:
     """The CRC-32 of bytes ``[start, stop)`` of ``check``'s record, read from its file. Blocking.
 
     Raises:
         CorruptionError: The file now ends before ``stop``.
         StorageError: The file cannot be read.
     """
-    chunk = check.chunk
     part = scratch[: stop - start]
     try:
-        n = os.preadv(fd, [part], chunk.offset + start)
+        n = os.preadv(fd, [part], check.offset + start)
     except OSError as exc:
-        path = directory / chunk.file
+        path = directory / check.file
         raise StorageError(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
     if n != len(part):
-        raise chunk_error(directory, manifest, check.index, chunk, "data file is truncated")
+        raise _error(directory, check, "data file is truncated")
     return zlib.crc32(part)
 
 
-def _mismatch(directory: Path, manifest: Manifest, check: _Check, crc: int) -> CorruptionError:
+def _mismatch(directory: Path, check: Check, crc: int) -> CorruptionError:
     """The error for ``check``, whose bytes have CRC-32 ``crc``, not its record's. Blocking.
 
     A check made in memory is made again from the file, to say which of the two differs.
     """
-    chunk = check.chunk
-    key = render(manifest.tensors[check.index].path)
-    file = directory / chunk.file
     where = "the bytes read" if check.view is not None else "the file's bytes"
-    what = (
-        f"checksum mismatch in {file} for key {key!r} (bytes {chunk.offset}..{chunk.offset + chunk.nbytes}): "
-        f"its zip record's CRC-32 is {check.expected:08x}, {where} have {crc:08x}"
-    )
+    error = _error(directory, check, "checksum mismatch")
+    what = f"{error}: its zip record's CRC-32 is {check.expected:08x}, {where} have {crc:08x}"
     if check.view is not None:
-        fd = _open(directory, manifest, check)
+        fd = _open(directory, check)
         try:
-            scratch = memoryview(bytearray(min(_BLOCK, chunk.nbytes)))
+            scratch = memoryview(bytearray(min(_BLOCK, check.nbytes)))
             parts = [
-                _file_crc(directory, manifest, check, fd, lo, min(lo + _BLOCK, chunk.nbytes), scratch)
-                for lo in range(0, chunk.nbytes, _BLOCK)
+                _file_crc(directory, check, fd, lo, min(lo + _BLOCK, check.nbytes), scratch)
+                for lo in range(0, check.nbytes, _BLOCK)
             ]
         finally:
             os.close(fd)
-        if _combined(parts, chunk.nbytes) == check.expected:
+        if _combined(parts, check.nbytes) == check.expected:
             what += "; the file's bytes match it: they changed on their way into memory"
-    return CorruptionError(what, file=str(file), key=key)
+    return CorruptionError(what, file=error.file, key=error.key)

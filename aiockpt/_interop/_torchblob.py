@@ -17,6 +17,8 @@ Every record's CRC-32 (zlib's) is in the archive's central directory, computed b
 checked. ``torch.load`` checks none of them. Here ``data.pkl`` is checked before it is trusted (a
 damaged one means "not plain"), and the data record's CRC is handed to the caller, which checks it once
 the record is read (see ``_records``); :func:`damaged_record` checks a whole blob before it is decoded.
+:func:`stored_records` lists where the records of a whole ``torch.save`` file lie, for ``_torchfile``.
+Compressed records (``torch.save`` writes none; a hand-made archive may hold some) are never checked.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -172,7 +175,7 @@ class Raw(NamedTuple):
     crc: int
 
 
-def _data_start(f: io.RawIOBase | io.BytesIO, info: zipfile.ZipInfo, length: int) -> int | None:
+def _data_start(f: io.RawIOBase | io.BufferedIOBase, info: zipfile.ZipInfo, length: int) -> int | None:
     """Where the bytes of the stored record ``info`` start in ``f``, if all of them lie in its ``length``."""
     f.seek(info.header_offset)
     header = f.read(_LOCAL_HEADER.size)
@@ -260,3 +263,38 @@ def damaged_record(blob: bytes) -> str | None:
     except Exception:  # not an archive zipfile reads: torch.load reports it
         return None
     return None
+
+
+class Record(NamedTuple):
+    """A stored record of a zip archive: its name, where its bytes lie in the file, and their CRC-32."""
+
+    name: str
+    offset: int
+    nbytes: int
+    crc: int  # 0: saved without CRCs
+
+
+def stored_records(path: Path) -> tuple[list[Record], bool] | None:
+    """The stored records of the zip archive ``path``, by offset, and whether it has compressed ones.
+
+    A record whose bytes do not all lie in the file is left out. ``None`` when ``path`` is no archive
+    zipfile reads (``torch.load`` reports that). Blocking.
+    """
+    try:
+        with open(path, "rb", buffering=0) as f:  # (a local header's 30 bytes are one read of 30 bytes)
+            length = os.fstat(f.fileno()).st_size
+            with zipfile.ZipFile(f) as zf:
+                infos = zf.infolist()
+            records: list[Record] = []
+            compressed = False
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    compressed = True
+                    continue
+                at = _data_start(f, info, length)
+                if at is not None:
+                    records.append(Record(info.filename, at, info.file_size, info.CRC))
+    except Exception:  # not an archive zipfile reads (or not readable): torch.load reports it
+        return None
+    records.sort(key=lambda r: r.offset)
+    return records, compressed

@@ -1,23 +1,47 @@
-"""Reading a ``torch.save`` file of a state dict (with ``weights_only=True`` unless pickle is allowed)."""
+"""Reading a ``torch.save`` file of a state dict (with ``weights_only=True`` unless pickle is allowed).
+
+The file is loaded with ``torch.load``, memory-mapped where it allows it, and its tensors copied from.
+A zip archive (every file since torch 1.6) stores a CRC-32 of each record, which ``torch.load`` never
+checks (see ``_torchblob``); here every record a load uses is checked against it:
+
+- ``data.pkl`` and the other small records ``torch.load`` reads (``byteorder``...) when the file is
+  opened, before ``torch.load`` unpickles anything: a damaged pickle could fail to unpickle, or unpickle
+  into other values;
+- the record of each storage a load copies tensors from, before it copies them, in the mapped memory the
+  tensors are copied from (see ``_records``), which :func:`_locate` finds the record of. Where it cannot
+  tell, and for records no tensor of the tree is a view of (a tensor inside a pickled object), every
+  such record is checked, read from the file.
+
+Records saved without CRCs (``torch.serialization.set_crc32_options(False)``: a CRC of 0) and compressed
+records (``torch.save`` writes none) cannot be checked, as in DCP blobs. The legacy format has no CRCs.
+"""
 
 from __future__ import annotations
 
 import io
 import mmap
+import os
 import pickle
 import re
+import sys
 import zipfile
+import zlib
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
+import anyio
 import torch
 
-from .._errors import FormatError, StateError, StorageError
+from .._errors import CorruptionError, FormatError, StateError, StorageError
 from .._format import Chunk, Key, KeyPath, Manifest, TensorEntry
-from .._memory import nbytes_of
+from .._load._match import Destination
+from .._memory import nbytes_of, view_at
 from .._tree import dtype_name, flatten, render, type_name
+from ._records import Check, check_crcs
 from ._source import DecodingSource
+from ._torchblob import Record, stored_records
 
 # A torch.save file is a zip archive, or (legacy format) a pickle opening with torch's magic number.
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -34,20 +58,10 @@ def is_torch_file(path: Path) -> bool:
     return head.startswith(_ZIP_MAGIC) or head == _LEGACY_MAGIC
 
 
-def _compressed(path: Path) -> bool:
-    """Whether the zip archive ``path`` holds a compressed record (``torch.save`` stores them all). Blocking.
-
-    ``False`` for anything else (a legacy file, an unreadable archive): ``torch.load`` reports those.
-    """
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return any(info.compress_type != zipfile.ZIP_STORED for info in zf.infolist())
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False
-
-
-def load_file(path: Path, *, allow_pickle: bool) -> object:
+def load_file(path: Path, *, allow_pickle: bool, compressed: bool = False) -> object:
     """``torch.load`` of ``path`` onto the CPU, memory-mapped where the file allows it. Blocking.
+
+    ``compressed``: the file is a zip archive with a compressed record (``torch.save`` stores them all).
 
     Raises:
         StateError: The file holds objects ``weights_only`` refuses and ``allow_pickle`` is false.
@@ -55,7 +69,7 @@ def load_file(path: Path, *, allow_pickle: bool) -> object:
         StorageError: It cannot be read.
     """
     try:
-        if _compressed(path):
+        if compressed:
             # torch.load(mmap=True) would map a compressed record's bytes as the tensor's, unchecked.
             return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
         try:
@@ -258,18 +272,161 @@ def _holders(path: Path, name: str) -> list[KeyPath]:
     return found
 
 
+# Non-storage records are checked in reads of at most this many bytes.
+_READ = 8 << 20
+# The most candidate shifts :func:`_base` verifies; more means the storages fit the records several ways.
+_MAX_SHIFTS = 8
+
+
+def _archive(path: Path) -> tuple[list[Record], bool] | None:
+    """The stored records of the ``torch.save`` archive ``path`` and whether it has compressed ones.
+
+    ``None`` for a file that does not start like a zip archive (the legacy format) or that zipfile cannot
+    read: ``torch.load`` reports those. Blocking.
+    """
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+                return None
+    except OSError:
+        return None
+    return stored_records(path)
+
+
+def _is_storage(record: Record) -> bool:
+    """Whether ``record`` holds a storage's bytes (``<archive>/data/<key>``), not the pickle or metadata."""
+    parts = record.name.split("/")
+    return len(parts) == 3 and parts[1] == "data"
+
+
+def _check_metadata(path: Path, records: list[Record]) -> bytes:
+    """Check every record but the storages' (``data.pkl``, ``byteorder``...) against its CRC-32. Blocking.
+
+    Returns:
+        The content of the ``byteorder`` record (``b""`` if there is none).
+
+    Raises:
+        CorruptionError: A record does not match its CRC-32; names the record and the file.
+        StorageError: The file cannot be read.
+    """
+    order = b""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise StorageError(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
+    try:
+        for record in records:
+            if _is_storage(record):
+                continue
+            crc, end = 0, record.offset + record.nbytes
+            for at in range(record.offset, end, _READ):
+                data = os.pread(fd, min(_READ, end - at), at)
+                crc = zlib.crc32(data, crc)
+            if record.crc and crc != record.crc:
+                raise CorruptionError(
+                    f"checksum mismatch in {path}: its zip record {record.name!r} (bytes {record.offset}.."
+                    f"{end}) does not match its CRC-32",
+                    file=str(path),
+                )
+            if record.name.count("/") == 1 and record.name.endswith("/byteorder"):
+                order = os.pread(fd, min(record.nbytes, 16), record.offset)
+    except OSError as exc:
+        raise StorageError(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
+    finally:
+        os.close(fd)
+    return order
+
+
+def _swapped(order: bytes) -> bool:
+    """Whether ``torch.load`` swaps the bytes of a file whose ``byteorder`` record holds ``order``."""
+    if not order:  # (an old file: torch.load's default load endianness decides)
+        endianness = torch.serialization.get_default_load_endianness()
+        if endianness == torch.serialization.LoadEndianness.NATIVE:
+            return False
+        order = b"big" if endianness == torch.serialization.LoadEndianness.BIG else b"little"
+    return order != sys.byteorder.encode()
+
+
+def _locate(tensors: list[torch.Tensor], data: list[Record]) -> list[tuple[Record, int] | None] | None:
+    """The record each tensor's storage was memory-mapped from, and the storage's address. Blocking.
+
+    ``torch.load(mmap=True)`` maps the whole file and makes each storage the slice of the mapping that
+    holds its record's bytes, so a storage's address less the mapping's is its record's offset. The
+    mapping's address is not exposed: it is the one shift that takes every storage to the start of a
+    record of its size (``torch.save`` writes each storage as one record of exactly its bytes), among
+    those that do so for the lowest and the highest storage. A tensor without bytes or storage (a meta
+    tensor, a wrapper subclass) has no record (``None``). The result is ``None`` when no shift or several
+    do so: a storage was not mapped from the file (a compressed archive, a tensor rebuilt from data in the
+    pickle), or the storages fit the records several ways (a few of many records of one size).
+
+    Args:
+        tensors: The loaded tensors.
+        data: The file's stored, non-empty storage records.
+    """
+    spans: dict[int, int] = {}  # address -> bytes, of each storage
+    where: list[int | None] = []
+    for t in tensors:
+        address = None
+        try:
+            storage = t.untyped_storage() if t.is_cpu else None
+        except (RuntimeError, NotImplementedError):  # (a tensor subclass with no storage of its own)
+            storage = None
+        if storage is not None and storage.nbytes():
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+            if spans.setdefault(address, nbytes) != nbytes:
+                return None
+        where.append(address)
+    if not spans:
+        return [None] * len(tensors)
+    base = _base(spans, data)
+    if base is None:
+        return None
+    at = {r.offset: r for r in data}
+    return [None if a is None else (at[a - base], a) for a in where]
+
+
+def _base(spans: dict[int, int], data: list[Record]) -> int | None:
+    """The one shift that takes every storage (address -> bytes) to a record of its size (see ``_locate``)."""
+    low, high = min(spans), max(spans)
+    shifts = {low - r.offset for r in data if r.nbytes == spans[low]}
+    shifts &= {high - r.offset for r in data if r.nbytes == spans[high]}
+    if len(shifts) > _MAX_SHIFTS:
+        return None
+    sizes = {r.offset: r.nbytes for r in data}
+    # (Highest first: a wrong shift of regularly laid out records fails at the end of the file.)
+    ordered = sorted(spans.items(), reverse=True)
+    fits = [s for s in shifts if all(sizes.get(a - s) == n for a, n in ordered)]
+    return fits[0] if len(fits) == 1 else None
+
+
 class TorchFileSource(DecodingSource):
-    """A ``torch.save`` file of a mapping; matched like a native checkpoint (by nested keys)."""
+    """A ``torch.save`` file of a mapping; matched like a native checkpoint (by nested keys).
+
+    Its records are checked against their CRC-32 (see the module docstring): the metadata when it is
+    opened, the storages a load copies tensors from in :meth:`fill`, before they are copied.
+    """
 
     def __init__(self, path: Path, *, allow_pickle: bool) -> None:
         self.location = path.parent
-        obj = load_file(path, allow_pickle=allow_pickle)
+        self.file = path.name
+        archive = _archive(path)
+        records, compressed = archive if archive is not None else ([], False)
+        self.swapped = _swapped(_check_metadata(path, records)) if records else False
+        obj = load_file(path, allow_pickle=allow_pickle, compressed=compressed)
         if not isinstance(obj, Mapping):
             raise FormatError(
                 f"{path} holds a {type_name(obj)}, not a state dict (a mapping)", file=str(path)
             )
         flat = flatten(obj, allow_pickle=True)
         self.tensors = flat.tensors
+        data = [r for r in records if r.nbytes and _is_storage(r)]
+        located = _locate(flat.tensors, data) if data else None
+        # Each tensor's storage record and address (see ``_locate``), and the records none of them is
+        # known to be read from: a tensor's inside a pickled object, or all of them where none is known.
+        self.located = located if located is not None else [None] * len(flat.tensors)
+        held = {found[0].offset for found in self.located if found is not None}
+        self.unheld = [r for r in data if r.crc and r.offset not in held]
+        self.checked = any(r.crc for r in data)  # (not a legacy file, nor one saved without CRCs)
         entries = []
         for t, key in zip(flat.tensors, flat.paths, strict=True):
             shape = tuple(t.shape)
@@ -290,6 +447,47 @@ class TorchFileSource(DecodingSource):
             files=(),
             library_version="torch.save",
         )
+
+    async def fill(
+        self,
+        manifest: Manifest,
+        destinations: dict[int, Destination],
+        *,
+        threads: int,
+        limiter: anyio.CapacityLimiter | None,
+    ) -> None:
+        """Check the records the destinations are filled from, then copy the tensors into them.
+
+        Raises:
+            CorruptionError: A record does not match its CRC-32; names the key (or the record) and the file.
+            StorageError: The file cannot be read.
+        """
+        if self.checked and (destinations or self.unheld):
+            await check_crcs(
+                self.location, partial(self._checks, destinations), threads=threads, limiter=limiter
+            )
+        await super().fill(manifest, destinations, threads=threads, limiter=limiter)
+
+    def _checks(self, destinations: Mapping[int, Destination]) -> list[Check]:
+        """The checks of the records ``destinations`` are filled from, and of the unheld ones. Blocking.
+
+        Each record once, named by the first key read from it, in file order. Checked in the mapped
+        memory the tensors are copied from, unless ``torch.load`` swapped its bytes there.
+        """
+        tensors = self.manifest.tensors
+        found: dict[int, Check] = {}
+        for index in destinations:
+            at = self.located[index]
+            if at is None or not at[0].crc or at[0].offset in found:
+                continue
+            record, address = at
+            view = None if self.swapped else view_at(address, record.nbytes)
+            found[record.offset] = Check(
+                tensors[index].path, self.file, record.offset, record.nbytes, record.crc, view
+            )
+        for r in self.unheld:
+            found[r.offset] = Check(None, self.file, r.offset, r.nbytes, r.crc, None, name=r.name)
+        return sorted(found.values(), key=lambda c: c.offset)
 
     def chunk(self, index: int, number: int) -> torch.Tensor:
         return self.tensors[index]
