@@ -345,13 +345,16 @@ async def test_dcp_saved_without_crcs_loads_in_place_unchecked(tmp_path: Path) -
     assert not torch.equal(target["w"], state["w"])  # type: ignore[arg-type]
 
 
-async def test_dcp_large_records_are_checked_in_blocks_on_several_threads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Blocks of 4 KiB, all on workers: each record's CRC is combined from those of its blocks.
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records checked in blocks of 4 KiB, all on worker threads (each CRC combined from its blocks')."""
     monkeypatch.setattr(_records, "_BLOCK", 4096)
     monkeypatch.setattr(_records, "_ONE_THREAD", 0)
     monkeypatch.setattr(_records, "_INLINE", 0)
+
+
+@pytest.mark.usefixtures("small_blocks")
+async def test_dcp_large_records_are_checked_in_blocks_on_several_threads(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(3)
     state = {f"t{i}": random_tensor(torch.float32, (1000 + 37 * i,), gen) for i in range(6)}
     _dcp_save(state, tmp_path / "d")
@@ -475,12 +478,8 @@ async def test_torch_save_saved_without_crcs_loads_unchecked(tmp_path: Path) -> 
     assert not torch.equal(target["w"], state["w"])
 
 
-async def test_torch_save_large_records_are_checked_in_blocks_on_several_threads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_records, "_BLOCK", 4096)
-    monkeypatch.setattr(_records, "_ONE_THREAD", 0)
-    monkeypatch.setattr(_records, "_INLINE", 0)
+@pytest.mark.usefixtures("small_blocks")
+async def test_torch_save_large_records_are_checked_in_blocks_on_several_threads(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(6)
     state = {f"t{i}": random_tensor(torch.float32, (1000 + 37 * i,), gen) for i in range(6)}
     file = tmp_path / "x.pt"
