@@ -80,8 +80,12 @@ def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, 
 
         token = None
         if _caller.get() is None:
-            frame = sys._getframe(1)  # the awaiting frame: the caller's code
-            token = _caller.set((frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
+            try:
+                frame = sys._getframe(1)  # the awaiting frame: the caller's code
+            except ValueError:  # driven by no Python frame (a coroutine sent to from C): no line to name
+                pass
+            else:
+                token = _caller.set((frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(body)
