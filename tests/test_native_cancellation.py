@@ -267,3 +267,28 @@ def test_a_loop_that_ends_with_a_save_in_a_thread_waits_for_the_thread_and_clean
         asyncio.run(forgets())
     assert gated_prepare.returned.is_set()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+async def test_saves_and_loads_cancel_no_anyio_scope(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # anyio's CancelScope.cancel() formats the current task's repr into its reason: 2-4 ms of the event
+    # loop's thread in a fresh read of 2 GiB, where run_each called it once per I/O phase to stop its
+    # watcher. Nothing cancels anything in a save or load that nobody cancels.
+    import anyio._backends._asyncio as backend
+
+    calls: list[object] = []
+    real = backend.CancelScope.cancel
+
+    def counted(self: backend.CancelScope, reason: str | None = None) -> None:
+        calls.append(self)
+        real(self, reason)
+
+    monkeypatch.setattr(backend.CancelScope, "cancel", counted)
+    state = {"big": torch.arange(1 << 20, dtype=torch.float32), "small": [torch.ones(8)] * 3}
+    await aiockpt.save(state, tmp_path / "c")
+    await aiockpt.load({"big": torch.empty(1 << 20), "small": [torch.empty(8)] * 3}, tmp_path / "c")
+    tree = await aiockpt.read(tmp_path / "c")
+    async with Checkpointer(tmp_path / "root") as ckpt:
+        handle = await ckpt.save(state, step=1, async_op=True)
+        await handle
+    assert torch.equal(tree["big"], state["big"])  # type: ignore[arg-type]
+    assert calls == []
