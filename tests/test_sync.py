@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -342,19 +341,30 @@ def test_sync_watch_yields_the_steps_another_thread_commits_from_its_first_next(
         writer.save(filled(1), step=1)
         steps = watcher.watch(poll_interval=0.02, coalesce=False)
         writer.save(filled(2), step=2)  # before the first next(), which lists the root: not yielded
+        stop = threading.Event()
 
         def write_later() -> None:
-            time.sleep(0.3)  # many poll intervals: the first next() has listed the root by then
-            writer.save(filled(4), step=4)
+            # Until the watch yields one: a step committed before its first listing (on a loaded
+            # machine, later than any fixed wait) is not new.
+            for step in range(4, 400):
+                if stop.wait(0.05):
+                    return
+                writer.save(filled(step), step=step)
 
         thread = threading.Thread(target=write_later)
         thread.start()
         try:
-            assert next_within(steps) == 4
+            first = next_within(steps)
         finally:
+            stop.set()
             thread.join()
+        assert first >= 4
         writer.save(filled(3), step=3)  # older than the newest: yielded too (coalesce=False)
-        assert next_within(steps) == 3
+        seen = [first]
+        while seen[-1] != 3:  # after the steps the writer committed before it stopped
+            seen.append(next_within(steps))
+        assert 2 not in seen
+        assert seen[:-1] == sorted(seen[:-1])
         steps.close()
 
 
