@@ -34,6 +34,9 @@ T = TypeVar("T")
 # Where the outermost public call was made (file, line, the module's globals), in its child task and in
 # the tasks that one starts (a background save): warnings about the call point there.
 _caller: ContextVar[tuple[str, int, dict[str, Any]] | None] = ContextVar("aiockpt_caller", default=None)
+# Set in the child task of a public call, and so in the tasks it starts: a public coroutine called from
+# there (Checkpointer.save opening the Checkpointer, say) is insulated already and runs as it is.
+_inside: ContextVar[bool] = ContextVar("aiockpt_insulated", default=False)
 
 
 def warn_at_caller(message: str, category: type[Warning]) -> None:
@@ -60,6 +63,8 @@ def warn_at_caller(message: str, category: type[Warning]) -> None:
 def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     """Run ``fn`` in a child task, so that a native cancellation of the caller is an anyio one for it.
 
+    Called from such a child task (or a task it started), ``fn`` runs as it is, in the caller's task.
+
     Its result or exception reaches the caller as it is (not in an exception group). A cancellation of
     the caller still propagates once ``fn`` has ended, also where ``fn`` completed meanwhile (a save that
     committed, say), as it would with anyio cancellation.
@@ -67,10 +72,13 @@ def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, 
 
     @functools.wraps(fn)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        if _inside.get():
+            return await fn(*args, **kwargs)
         results: list[T] = []
         failures: list[BaseException] = []
 
         async def body() -> None:
+            _inside.set(True)  # in this task's own context (a copy of the caller's)
             try:
                 results.append(await fn(*args, **kwargs))
             except anyio.get_cancelled_exc_class():
@@ -79,13 +87,12 @@ def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, 
                 failures.append(exc)
 
         token = None
-        if _caller.get() is None:
-            try:
-                frame = sys._getframe(1)  # the awaiting frame: the caller's code
-            except ValueError:  # driven by no Python frame (a coroutine sent to from C): no line to name
-                pass
-            else:
-                token = _caller.set((frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
+        try:
+            frame = sys._getframe(1)  # the awaiting frame: the caller's code
+        except ValueError:  # driven by no Python frame (a coroutine sent to from C): no line to name
+            pass
+        else:
+            token = _caller.set((frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(body)
