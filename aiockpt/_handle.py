@@ -155,6 +155,7 @@ class SaveHandle:
         self._scope: anyio.CancelScope | None = None
         self._cancelled = False  # cancel() was called: a scope entered later starts cancelled
         self._background = False  # run in the loop's task group of background saves (see _runner)
+        self._starting = False  # its starter waits in tg.start(): no handle has reached the caller yet
 
     def __repr__(self) -> str:
         return f"<SaveHandle step={self.step} path={self.path!r} state={self._state.value}>"
@@ -258,9 +259,12 @@ class SaveHandle:
                 metadata = await body(report)
             except anyio.get_cancelled_exc_class():
                 self._finish(SaveState.CANCELLED)
-                if self._background and started and not self._cancelled:
-                    # Not by cancel() (nor aclose(cancel=True), which calls it): the task group of the
-                    # loop's background saves was cancelled, which asyncio.run does to a loop ending.
+                if self._background and started and not self._cancelled and not self._starting:
+                    # Not by cancel() (nor aclose(cancel=True), which calls it), nor with its starter
+                    # (cancelled after the save reported "staged" but before tg.start() returned, which
+                    # then cancels the save and raises: the handle never reached the caller): the task
+                    # group of the loop's background saves was cancelled, which asyncio.run does to a
+                    # loop ending.
                     warnings.warn(
                         f"the save to {self.path} was cancelled before it committed: the event loop ended "
                         "with it in flight (await its handle, or close its Checkpointer, before the loop "

@@ -64,7 +64,11 @@ async def start_background(
     runner = await _runner()
     assert runner.tg is not None
     handle._background = True
-    result: SaveHandle = await runner.tg.start(handle._drive, body)
+    handle._starting = True
+    try:
+        result: SaveHandle = await runner.tg.start(handle._drive, body)
+    finally:
+        handle._starting = False
     return result
 
 
