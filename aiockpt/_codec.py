@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from ._gc import collect_young
 from ._threads import yield_gil
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -212,6 +213,8 @@ class SlicedDecoder(Generic[S]):
                     self._name_bad(chunk, start)
                     raise
         values[self._field] = tuple(items)
+        if len(items) > SLICE:
+            collect_young()  # that tuple, made whole
         return self._type(**values)
 
     def _name_bad(self, chunk: Sequence[msgspec.Raw], start: int) -> None:

@@ -56,6 +56,12 @@ def _end() -> None:
         _saved = None
 
 
+def collect_young() -> None:
+    """Collect the youngest generation now, if the collector is on (see the module's docstring)."""
+    if gc.isenabled() and gc.get_threshold()[0]:
+        gc.collect(0)
+
+
 @contextlib.contextmanager
 def paused(enabled: bool = True) -> Iterator[None]:
     """Collect only the youngest generation inside the block (nested and concurrent uses are fine).

@@ -23,7 +23,7 @@ from .._cuda import noting
 from .._errors import CheckpointExistsError, DistributedError, StorageError
 from .._format import MANIFEST_NAME, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, NAME_MAX, OwnerLock, remove_tree, temp_name
-from .._gc import paused
+from .._gc import collect_young, paused
 from .._handle import Metadata, SaveMetrics, SaveState
 from .._load._manifest import decode_summary
 from .._memory import StagingPool
@@ -84,6 +84,7 @@ def _plan_local(rank: int, staged: Staged, world_size: int) -> _Local:
         box: list[object] = [local, sigs]  # one item per tensor: freed in slices, not in one stall
         del local, sigs
         dismantle(box)
+        collect_young()
     return out
 
 
@@ -100,6 +101,7 @@ def _plan_global(gathered: list[memoryview], merged: Merged | None) -> GlobalPla
         box: list[object] = [plans]
         del plans
         dismantle(box)
+        collect_young()
     return plan
 
 
@@ -128,6 +130,7 @@ def _manifest(
             part=req.part,
         )
         encoded, crc = encode_manifest(manifest)
+        collect_young()
         return manifest, encoded, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 

@@ -95,7 +95,7 @@ def build_manifest(
             old = chunks[w.tensor][w.chunk]
             chunks[w.tensor][w.chunk] = msgspec.structs.replace(old, checksums=sums)
     pairs = zip(plan.tensors, chunks, strict=True)
-    tensors = tuple(msgspec.structs.replace(t, chunks=tuple(c)) for t, c in pairs)
+    tensors = tuple([msgspec.structs.replace(t, chunks=tuple(c)) for t, c in pairs])  # (see global_plan)
     files = tuple(FileInfo(name=r.file, nbytes=r.nbytes) for r in plan.ranks if r.writes)
     return Manifest(
         step=step,

@@ -14,6 +14,7 @@ import msgspec
 
 from .._errors import StateError
 from .._format import Chunk, KeyPath, TensorEntry, data_file_name
+from .._gc import collect_young
 from .._threads import dismantle
 from .._tree import render
 from ._local_plan import LocalPlan, WriteItem
@@ -190,9 +191,14 @@ def global_plan(
             pos += nbytes
         rank_plans.append(RankPlan(rank=rank, file=file, nbytes=pos, writes=tuple(writes)))
 
+    collect_young()  # ``first`` and the ranks' writes, made whole without setting off a collection
+    # From a list: a tuple grown from a generator is tracked anew by the garbage collector at each resize,
+    # so that collections of the youngest generation walk it again and again as it grows.
     tensors = tuple(
-        TensorEntry(path=item.path, dtype=item.dtype, shape=item.shape, chunks=tuple(chunks[t]))
-        for t, item in enumerate(first)
+        [
+            TensorEntry(path=item.path, dtype=item.dtype, shape=item.shape, chunks=tuple(chunks[t]))
+            for t, item in enumerate(first)
+        ]
     )
     # The indexes above hold a few objects per chunk: freed in slices rather than in one stall at return.
     box: list[object] = [tensor_index, per_rank, holders, shared, chunks]

@@ -19,7 +19,7 @@ import anyio
 import torch
 
 from .._cuda import cuda_devices, wait
-from .._gc import paused
+from .._gc import collect_young, paused
 from .._memory import PAGE, Claim, StagingPool, byte_view, nbytes_of, plain_cpu, plain_view
 from .._runs import lanes
 from .._threads import acquire_sync, each_in_thread, release, run_sync, yield_gil
@@ -211,8 +211,10 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
     """Flatten ``state`` and lay out its staging buffer. Blocking (calls ``state_dict()``)."""
     with paused():
         flat = flatten(state, allow_pickle=allow_pickle)
+        collect_young()  # its tuples of keys and nodes, whole, while they are in the cache
     tensors = flat.tensors
-    sources: list[memoryview] = [_EMPTY] * len(tensors)
+    # Grown, not made whole as ``[_EMPTY] * n``: a collection that meets it early meets it small.
+    sources: list[memoryview] = []
     small: list[int] = []
     gathered: list[int] = []
     large: list[int] = []
@@ -220,12 +222,12 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
     for i, t in enumerate(tensors):
         n = nbytes_of(t)
         nbytes += n
-        if n == 0:
+        # Others (GPU tensors, lazy conj/neg views) go through a copy.
+        view = None if copy or n == 0 else plain_view(t)
+        sources.append(_EMPTY if view is None else view)
+        if n == 0 or view is not None:
             continue
-        view = None if copy else plain_view(t)  # others (GPU, lazy conj/neg views) go through a copy
-        if view is not None:
-            sources[i] = view
-        elif n < _SMALL and t.is_cpu:
+        if n < _SMALL and t.is_cpu:
             small.append(i)
         elif n < _SMALL and t.is_cuda:
             gathered.append(i)
@@ -245,6 +247,7 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
         offsets[i] = pos
         pos += nbytes_of(tensors[i])
     devices = cuda_devices(tensors[i] for i in gathered + large)
+    collect_young()  # ``sources`` and the index lists, which grew without setting off a collection
     return Layout(flat, sources, nbytes, small, gathered, large, offsets, pos, devices)
 
 
