@@ -159,3 +159,37 @@ async def test_a_loads_runs_are_freed_off_the_event_loop(
     assert_tree_equal(target, state)
     assert freed, "the load's runs should have been freed by now"
     assert loop_thread not in freed, f"{freed.count(loop_thread)} of {len(freed)} runs freed on the loop"
+
+
+async def test_a_saves_pieces_are_freed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save's pieces (one per block: 10^4 for 10^4 small tensors) go with its worker threads.
+
+    The writers' jobs and the direct writer held them past the worker that frees the write's bookkeeping,
+    so they were freed with the write's frame, on the event loop's thread.
+    """
+    from aiockpt._runs import Piece, split
+    from aiockpt._save import _write
+
+    loop_thread = threading.get_ident()
+    freed: list[int] = []
+
+    class Tracked(Piece):
+        def __del__(self) -> None:
+            freed.append(threading.get_ident())
+
+    def tracked(*args: Any, **kwargs: Any) -> list[Piece]:
+        return [Tracked(p.offset, p.view, p.item, p.block) for p in split(*args, **kwargs)]
+
+    monkeypatch.setattr(_write, "split", tracked)
+    # Small tensors (written through the page cache) and large ones (with O_DIRECT where it can).
+    state: dict[str, object] = {f"s{i}": torch.randn(64) for i in range(600)}
+    state |= {f"w{i}": torch.randn(1 << 18) for i in range(3)}
+    await aiockpt.save(state, tmp_path / "sync")
+    handle = await aiockpt.save(state, tmp_path / "async", async_op=True)
+    await handle
+    async with aiockpt.Checkpointer(tmp_path / "root") as ckpt:
+        await ckpt.save(state, step=1)
+    assert freed, "the saves' pieces should have been freed by now"
+    assert loop_thread not in freed, f"{freed.count(loop_thread)} of {len(freed)} pieces freed on the loop"

@@ -416,6 +416,7 @@ async def write(
             raise
 
     runs, sums = await run_sync(cut, limiter)
+    jobs: list[Callable[[threading.Event], None]] = []
     try:
         writers = min(direct_threads or threads, max(1, len(runs)))
         fd, direct_fd = await acquire_sync(partial(open_file, runs, writers), limiter)
@@ -436,8 +437,10 @@ async def write(
             with anyio.CancelScope(shield=True):
                 await run_sync(partial(_close, fd, direct_fd), limiter)
         # A piece and a memoryview per block: freed in a worker, a slice at a time, not on the loop's thread.
-        box: list[object] = [runs, sums]
-        del runs, sums
+        # The jobs (the checksums) and the direct writer (its runs) hold them too: whatever still holds them
+        # when this frame ends frees them here, on the loop's thread: 3-5 ms for 20,000 pieces gone cold.
+        box: list[object] = [runs, sums, jobs, direct_fd]
+        del runs, sums, jobs, direct_fd
         await release(box, limiter)
     return result
 
