@@ -193,3 +193,48 @@ async def test_a_saves_pieces_are_freed_off_the_event_loop(
         await ckpt.save(state, step=1)
     assert freed, "the saves' pieces should have been freed by now"
     assert loop_thread not in freed, f"{freed.count(loop_thread)} of {len(freed)} pieces freed on the loop"
+
+
+async def test_a_reads_manifest_is_freed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest of a load or a fresh read (10^4 entries for 10^4 tensors) is freed in a worker.
+
+    A fresh read's planning call held it past the worker that frees the read's bookkeeping, so it was
+    freed with the read's frame, on the event loop's thread (6-8 ms per read of 20,000 tensors, in a
+    sampled trace).
+    """
+    import msgspec
+
+    from aiockpt import _load
+
+    loop_thread = threading.get_ident()
+    freed: list[str] = []
+
+    class Tracked:
+        def __init__(self, where: str) -> None:
+            self.where = where
+
+        def __del__(self) -> None:
+            freed.append(self.where if threading.get_ident() != loop_thread else f"{self.where} on the loop")
+
+    real = _load._manifest
+    calls = 0
+
+    async def tracked(*args: Any, **kwargs: Any) -> Any:
+        # A probe only the manifest holds: it is freed when the manifest is.
+        nonlocal calls
+        manifest, cached, others = await real(*args, **kwargs)
+        calls += 1
+        probe = {"probe": Tracked(f"manifest {calls}")}
+        return msgspec.structs.replace(manifest, user_metadata=probe), cached, others
+
+    monkeypatch.setattr(_load, "_manifest", tracked)
+    tensors = {f"s{i}": torch.randn(64) for i in range(600)}
+    tensors |= {f"w{i}": torch.randn(1 << 18) for i in range(3)}
+    state: dict[str, object] = dict(tensors)
+    await aiockpt.save(state, tmp_path / "c")
+    await aiockpt.load({k: torch.zeros_like(v) for k, v in tensors.items()}, tmp_path / "c")
+    tree = await aiockpt.read(tmp_path / "c")
+    assert sorted(tree) == sorted(state)
+    assert sorted(freed) == ["manifest 1", "manifest 2"]

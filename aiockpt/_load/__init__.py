@@ -246,8 +246,9 @@ async def _read_fresh(
     readable(plan, path)
     await _fill(path, manifest, cached, plan, io, limiter)
     result = plan.result
-    box: list[object] = [manifest, plan]  # as in _load; ``result`` stays alive through its own name
-    del manifest, plan
+    # As in _load, ``read_plan`` included (it holds the manifest); ``result`` stays alive through its name.
+    box: list[object] = [manifest, plan, read_plan]
+    del manifest, plan, read_plan
     await release(box, limiter)
     return result
 
