@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from benchmarks import _suite as s
+from benchmarks._lag import LagStats
 from benchmarks._results import Measurement, Results
 
 LAG_P99_MS = 2.0
@@ -153,17 +154,24 @@ def _lag_checks(res: Results) -> list[Check]:
         st = row.stats
         thread = next((x.stats for x in res.lags if x.state == "A" and x.case == s.LAG_THREAD), None)
         base = f" (thread write: {thread.p99_ms:.2f}, {thread.max_ms:.1f})" if thread else ""
-        absolute = st.p99_ms <= LAG_P99_MS and st.max_ms <= LAG_MAX_MS
-        relative = thread is not None and st.p99_ms <= thread.p99_ms and st.max_ms <= thread.max_ms
         out.append(
             Check(
                 f"{row.state}: loop lag during {row.case}",
                 f"p99 {st.p99_ms:.2f} ms, max {st.max_ms:.1f} ms" + base,
-                f"p99 ≤ {LAG_P99_MS:g} ms and max ≤ {LAG_MAX_MS:g} ms, or ≤ thread-write baseline",
-                absolute or relative,
+                f"p99 ≤ {LAG_P99_MS:g} ms; max ≤ {LAG_MAX_MS:g} ms, or ≤ the thread write's over it",
+                st.p99_ms <= LAG_P99_MS and st.max_ms <= max_lag_ms(thread),
             )
         )
     return out
+
+
+def max_lag_ms(thread: LagStats | None) -> float:
+    """The bound on a call's loop-lag max: 25 ms, or a plain fsync'd write's in a thread where it is higher.
+
+    The issue's target: "max ≤ 25 ms at 2 GiB ... where a plain fsync'd write in a worker thread already
+    exceeds 25 ms in the same run, be no worse than it". The p99 bound (2 ms) has no such exception.
+    """
+    return max(LAG_MAX_MS, thread.max_ms) if thread is not None else LAG_MAX_MS
 
 
 def _seconds_header(res: Results) -> list[str]:
