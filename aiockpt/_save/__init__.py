@@ -84,7 +84,6 @@ def _plan_local(rank: int, staged: Staged, world_size: int) -> _Local:
         box: list[object] = [local, sigs]  # one item per tensor: freed in slices, not in one stall
         del local, sigs
         dismantle(box)
-        collect_young()
     return out
 
 
@@ -101,7 +100,7 @@ def _plan_global(gathered: list[memoryview], merged: Merged | None) -> GlobalPla
         box: list[object] = [plans]
         del plans
         dismantle(box)
-        collect_young()
+        collect_young()  # the plan's tuple of tensor entries, made whole
     return plan
 
 
@@ -130,7 +129,7 @@ def _manifest(
             part=req.part,
         )
         encoded, crc = encode_manifest(manifest)
-        collect_young()
+        collect_young()  # the manifest's tuple of tensor entries, made whole
         return manifest, encoded, crc, sum(c.nbytes for t in manifest.tensors for c in t.chunks)
 
 
