@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from . import idle_pages
+
 
 def _mem_total() -> str:
     try:
@@ -71,4 +73,14 @@ def describe(scratch: Path, aiockpt_version: str) -> dict[str, str]:
         "safetensors": st_version,
         "aiockpt": aiockpt_version,
         "file system": _filesystem(scratch),
+        # Where touching memory again is slow once it sat idle, so is any Python code that has not run
+        # for a while, an event loop's included (see benchmarks/idle_pages.py).
+        "memory touched again": _idle_touch(),
     }
+
+
+def _idle_touch() -> str:
+    try:
+        return idle_pages.summary()
+    except (AttributeError, OSError, ValueError, RuntimeError) as exc:  # no MAP_PRIVATE or /proc here
+        return f"not measured ({exc})"
