@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -40,6 +41,70 @@ class LagStats:
     max_ms: float
 
 
+@dataclass(frozen=True)
+class LateWake:
+    """A wake of the monitor later than ``LATE_S``, and where the event loop's thread spent it.
+
+    ``at_s``: seconds from entering the monitor (the measured call's start) to the wake. ``span_ms``: the
+    time from the wake before to this one. ``ran_ms`` and ``waited_ms``: how much of the span the loop's
+    thread ran on a CPU, and waited runnable for one (Linux's ``/proc/thread-self/schedstat``; ``None``
+    elsewhere). The rest it was off every CPU: waiting for the GIL, in a blocking call, or asleep past
+    its timer. Running long means the loop's own steps were slow; waiting, that the CPUs were taken;
+    off CPU, that something held it.
+    """
+
+    at_s: float
+    lag_ms: float
+    span_ms: float
+    ran_ms: float | None = None
+    waited_ms: float | None = None
+
+    @property
+    def off_cpu_ms(self) -> float | None:
+        """The span's time off every CPU (``None`` where the split is not known)."""
+        if self.ran_ms is None or self.waited_ms is None:
+            return None
+        return max(self.span_ms - self.ran_ms - self.waited_ms, 0.0)
+
+
+class _SchedStat:
+    """The calling thread's run and runqueue-wait nanoseconds, read again and again (Linux)."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except (OSError, AttributeError):  # not Linux (or no /proc)
+            self._fd = None
+
+    def read(self) -> tuple[int, int] | None:
+        """``(ns run, ns waited for a CPU)`` of the thread that made this object, or ``None``."""
+        if self._fd is None:
+            return None
+        run, wait = os.pread(self._fd, 128, 0).split()[:2]
+        return int(run), int(wait)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def late_wake(
+    at_s: float, lag_s: float, span_s: float, before: tuple[int, int] | None, after: tuple[int, int] | None
+) -> LateWake:
+    """A :class:`LateWake` from the thread's schedstat readings ``before`` and ``after`` its span."""
+    if before is None or after is None:
+        return LateWake(at_s=at_s, lag_ms=lag_s * 1e3, span_ms=span_s * 1e3)
+    return LateWake(
+        at_s=at_s,
+        lag_ms=lag_s * 1e3,
+        span_ms=span_s * 1e3,
+        ran_ms=(after[0] - before[0]) / 1e6,
+        waited_ms=(after[1] - before[1]) / 1e6,
+    )
+
+
 def _percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list (``q`` in [0, 100])."""
     if not sorted_values:
@@ -73,26 +138,36 @@ class LagMonitor:
 
     Samples accumulate into :attr:`lags` (seconds) and :attr:`duration_s`; entering the same monitor
     again (once per repeat) pools them. On exit the monitor lets its current sleep finish, so a stall
-    that is still in progress when the measured operation returns is recorded too.
+    that is still in progress when the measured operation returns is recorded too. Each wake over
+    ``LATE_S`` late is also kept in :attr:`wakes`, with where the loop's thread spent it.
     """
 
     def __init__(self) -> None:
         self.lags: list[float] = []
         # Wakes over LATE_S late: (time.monotonic() when the sleep began, lag in seconds).
         self.late: list[tuple[float, float]] = []
+        self.wakes: list[LateWake] = []
         self.duration_s = 0.0
         self._stop = False
         self._task: asyncio.Task[None] | None = None
         self._started = 0.0
 
     async def _run(self) -> None:
-        while not self._stop:
-            start = time.monotonic()
-            await asyncio.sleep(INTERVAL)
-            lag = max(time.monotonic() - start - INTERVAL, 0.0)
-            self.lags.append(lag)
-            if lag > LATE_S:
-                self.late.append((start, lag))
+        sched = _SchedStat()  # made here: the loop's thread is the one it reads
+        try:
+            read_at, before = time.monotonic(), sched.read()
+            while not self._stop:
+                start = time.monotonic()
+                await asyncio.sleep(INTERVAL)
+                now, after = time.monotonic(), sched.read()
+                lag = max(now - start - INTERVAL, 0.0)
+                self.lags.append(lag)
+                if lag > LATE_S:
+                    self.late.append((start, lag))
+                    self.wakes.append(late_wake(now - self._started, lag, now - read_at, before, after))
+                read_at, before = now, after
+        finally:
+            sched.close()
 
     async def __aenter__(self) -> LagMonitor:
         self._stop = False

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from benchmarks import _suite as s
-from benchmarks._lag import LagStats
+from benchmarks._lag import LagStats, LateWake
 from benchmarks._results import Measurement, Results
 
 LAG_P99_MS = 2.0
@@ -27,6 +27,9 @@ METHOD = " ".join(
         "after the same one); the best repeat is reported. An async save's time until it returned is",
         "compared with a memcpy of the state timed just before each of its saves. Loop lag: a task",
         "in the same event loop sleeps 1 ms in a loop while the operation runs; lag = actual sleep - 1 ms.",
+        "For a call's latest wake over 10 ms: when it came (seconds into the call), and how much of it the",
+        "loop's thread ran on a CPU, waited runnable for one, and spent off every CPU (the GIL, a blocking",
+        "call, a late timer), from the thread's schedstat.",
     ]
 )
 
@@ -260,11 +263,32 @@ def _lag_table(res: Results) -> str:
             _fmt(row.stats.p99_ms, 3),
             _fmt(row.stats.max_ms, 1),
             "" if row.late is None else f"{row.late} ({row.shared})",
+            _wake(row.longest),
         ]
         for row in res.lags
     ]
-    header = ["scenario", "seconds", "samples", "p50 ms", "p99 ms", "max ms", "> 10 ms (machine)"]
+    header = [
+        "scenario",
+        "seconds",
+        "samples",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "> 10 ms (machine)",
+        "latest wake, ms (when; the loop's thread)",
+    ]
     return table(header, rows)
+
+
+def _wake(wake: LateWake | None) -> str:
+    """The latest wake of a lag row: when in the call, and where the loop's thread spent it."""
+    if wake is None:
+        return ""
+    text = f"{wake.lag_ms:.1f} at {wake.at_s:.2f} s"
+    off = wake.off_cpu_ms
+    if wake.ran_ms is not None and wake.waited_ms is not None and off is not None:
+        text += f": ran {wake.ran_ms:.1f}, waited {wake.waited_ms:.1f}, off CPU {off:.1f}"
+    return text
 
 
 def _checks_table(res: Results) -> str:

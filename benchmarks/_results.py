@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from benchmarks._lag import LagStats
+from benchmarks._lag import LagStats, LateWake
 
 
 @dataclass
@@ -71,7 +71,8 @@ class LagRow:
     """Loop-lag statistics of one scenario (idle, a thread doing I/O, a library call).
 
     ``late``: wakes over 10 ms late; ``shared``: of them, those during which a separate process's wakes
-    were late too (stalls of the whole machine). ``None`` where not counted.
+    were late too (stalls of the whole machine). ``None`` where not counted. ``wakes``: those wakes, with
+    where the loop's thread spent them.
     """
 
     state: str
@@ -79,6 +80,12 @@ class LagRow:
     stats: LagStats
     late: int | None = None
     shared: int | None = None
+    wakes: list[LateWake] = field(default_factory=list)
+
+    @property
+    def longest(self) -> LateWake | None:
+        """The latest of :attr:`wakes` (``None`` if there is none)."""
+        return max(self.wakes, key=lambda w: w.lag_ms, default=None)
 
 
 @dataclass

@@ -271,7 +271,9 @@ class Suite:
 
     def _lag_row(self, state: str, name: str, monitor: LagMonitor) -> None:
         late = monitor.late
-        row = LagRow(state, name, monitor.stats(), late=len(late), shared=self.stalls.shared(late))
+        row = LagRow(
+            state, name, monitor.stats(), late=len(late), shared=self.stalls.shared(late), wakes=monitor.wakes
+        )
         self.results.lags.append(row)
 
     # -- building the cases ------------------------------------------------------------------------------

@@ -1,0 +1,68 @@
+"""The benchmark's loop-lag monitor: where the event loop's thread spent a late wake (``benchmarks._lag``)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+
+from benchmarks import _lag, _report
+from benchmarks._lag import LagMonitor, LagStats, LateWake, late_wake
+from benchmarks._results import LagRow, Results
+
+linux = pytest.mark.skipif(sys.platform != "linux", reason="the split comes from /proc/thread-self/schedstat")
+
+
+def test_a_late_wake_splits_its_span_into_running_waiting_and_off_cpu() -> None:
+    wake = late_wake(1.5, 0.030, 0.031, (1_000_000, 0), (6_000_000, 2_000_000))
+    assert (wake.at_s, wake.lag_ms, wake.span_ms) == (1.5, 30.0, 31.0)
+    assert (wake.ran_ms, wake.waited_ms, wake.off_cpu_ms) == (5.0, 2.0, 24.0)
+    unknown = late_wake(1.5, 0.030, 0.031, None, None)
+    assert unknown.ran_ms is None
+    assert unknown.off_cpu_ms is None
+
+
+def _row(*wakes: LateWake) -> LagRow:
+    stats = LagStats(samples=10, duration_s=1.0, p50_ms=0.1, p99_ms=1.0, max_ms=30.0)
+    return LagRow("A", "aiockpt.save", stats, late=len(wakes), shared=0, wakes=list(wakes))
+
+
+def test_the_report_shows_a_rows_latest_wake_and_where_the_loop_spent_it() -> None:
+    res = Results(machine={}, config={})
+    res.lags.append(_row(LateWake(0.2, 12.0, 13.0, 1.0, 0.5), LateWake(1.25, 30.0, 31.0, 5.0, 2.0)))
+    res.lags.append(_row(LateWake(0.5, 11.0, 12.0)))
+    res.lags.append(_row())
+    table = _report._lag_table(res)
+    assert "30.0 at 1.25 s: ran 5.0, waited 2.0, off CPU 24.0" in table
+    assert "11.0 at 0.50 s |" in table  # no split where it is unknown
+    assert table.splitlines()[-1].endswith("| 0 (0) |  |")  # no late wake: an empty cell
+    assert _report.to_json(res)["lags"][0]["wakes"][1]["ran_ms"] == 5.0  # type: ignore[index]
+
+
+async def _monitored(block: float, *, busy: bool) -> LateWake:
+    async with LagMonitor() as monitor:
+        await asyncio.sleep(0.005)
+        if busy:
+            end = time.thread_time() + block
+            while time.thread_time() < end:  # the loop's own work: its thread runs for ``block`` of CPU time
+                pass
+        else:
+            time.sleep(block)  # noqa: ASYNC251 - the blocking call under test: the loop's thread is off every CPU
+    assert monitor.wakes, monitor.lags
+    return max(monitor.wakes, key=lambda w: w.lag_ms)
+
+
+@linux
+def test_the_monitor_tells_a_loop_that_ran_from_one_that_was_held() -> None:
+    ran = asyncio.run(_monitored(0.05, busy=True))
+    held = asyncio.run(_monitored(0.05, busy=False))
+    for wake in (ran, held):
+        assert wake.lag_ms > _lag.LATE_S * 1e3
+        assert 0.0 < wake.at_s < 1.0
+    assert ran.ran_ms is not None
+    assert ran.ran_ms >= 45.0  # the spin's 50 ms of CPU time (the same clock as schedstat's)
+    assert held.ran_ms is not None
+    assert held.off_cpu_ms is not None
+    assert held.off_cpu_ms > held.ran_ms  # sleeping, it was on none
