@@ -27,9 +27,9 @@ METHOD = " ".join(
         "after the same one); the best repeat is reported. An async save's time until it returned is",
         "compared with a memcpy of the state timed just before each of its saves. Loop lag: a task",
         "in the same event loop sleeps 1 ms in a loop while the operation runs; lag = actual sleep - 1 ms.",
-        "For a call's latest wake over 10 ms: when it came (seconds into the call), and how much of it the",
-        "loop's thread ran on a CPU, waited runnable for one, and spent off every CPU (the GIL, a blocking",
-        "call, a late timer), from the thread's schedstat.",
+        "For a call's longest late wake (over 10 ms): when it came (seconds into the call), and how much",
+        "of it the loop's thread ran on a CPU, waited runnable for one, and spent off every CPU (the GIL, a",
+        "blocking call, a late timer), from the thread's schedstat.",
     ]
 )
 
@@ -275,13 +275,13 @@ def _lag_table(res: Results) -> str:
         "p99 ms",
         "max ms",
         "> 10 ms (machine)",
-        "latest wake, ms (when; the loop's thread)",
+        "longest wake, ms (when; the loop's thread)",
     ]
     return table(header, rows)
 
 
 def _wake(wake: LateWake | None) -> str:
-    """The latest wake of a lag row: when in the call, and where the loop's thread spent it."""
+    """The longest late wake of a lag row: when in the call, and where the loop's thread spent it."""
     if wake is None:
         return ""
     text = f"{wake.lag_ms:.1f} at {wake.at_s:.2f} s"

@@ -84,7 +84,7 @@ class LagRow:
 
     @property
     def longest(self) -> LateWake | None:
-        """The latest of :attr:`wakes` (``None`` if there is none)."""
+        """The latest of :attr:`wakes`, the one of the largest lag (``None`` if there is none)."""
         return max(self.wakes, key=lambda w: w.lag_ms, default=None)
 
 
