@@ -49,8 +49,10 @@ class LateWake:
     time from the wake before to this one. ``ran_ms`` and ``waited_ms``: how much of the span the loop's
     thread ran on a CPU, and waited runnable for one (Linux's ``/proc/thread-self/schedstat``; ``None``
     elsewhere). The rest it was off every CPU: waiting for the GIL, in a blocking call, or asleep past
-    its timer. Running long means the loop's own steps were slow; waiting, that the CPUs were taken;
-    off CPU, that something held it.
+    its timer. Waiting long means the CPUs were taken; off CPU, that something held the thread. Running
+    long means its own steps were slow, or its CPU was kept from them while it was the current task:
+    on a kernel without ``CONFIG_IRQ_TIME_ACCOUNTING`` (this VM's) interrupts served meanwhile count as
+    its run time, and so does a host's stall of the CPU that the host does not report as stolen.
     """
 
     at_s: float
