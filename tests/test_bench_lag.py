@@ -29,7 +29,7 @@ def _row(*wakes: LateWake) -> LagRow:
     return LagRow("A", "aiockpt.save", stats, late=len(wakes), shared=0, wakes=list(wakes))
 
 
-def test_the_report_shows_a_rows_latest_wake_and_where_the_loop_spent_it() -> None:
+def test_the_report_shows_a_rows_longest_wake_and_where_the_loop_spent_it() -> None:
     res = Results(machine={}, config={})
     res.lags.append(_row(LateWake(0.2, 12.0, 13.0, 1.0, 0.5), LateWake(1.25, 30.0, 31.0, 5.0, 2.0)))
     res.lags.append(_row(LateWake(0.5, 11.0, 12.0)))
