@@ -45,7 +45,8 @@ class LagStats:
 class LateWake:
     """A wake of the monitor later than ``LATE_S``, and where the event loop's thread spent it.
 
-    ``at_s``: seconds from entering the monitor (the measured call's start) to the wake. ``span_ms``: the
+    ``start``: ``time.monotonic()`` when the sleep began (the clock of :class:`MachineStalls`). ``at_s``:
+    seconds from entering the monitor (the measured call's start) to the wake. ``span_ms``: the
     time from the wake before to this one. ``ran_ms`` and ``waited_ms``: how much of the span the loop's
     thread ran on a CPU, and waited runnable for one (Linux's ``/proc/thread-self/schedstat``; ``None``
     elsewhere). The rest it was off every CPU: waiting for the GIL, in a blocking call, or asleep past
@@ -55,6 +56,7 @@ class LateWake:
     its run time, and so does a host's stall of the CPU that the host does not report as stolen.
     """
 
+    start: float
     at_s: float
     lag_ms: float
     span_ms: float
@@ -93,12 +95,18 @@ class _SchedStat:
 
 
 def late_wake(
-    at_s: float, lag_s: float, span_s: float, before: tuple[int, int] | None, after: tuple[int, int] | None
+    start: float,
+    at_s: float,
+    lag_s: float,
+    span_s: float,
+    before: tuple[int, int] | None,
+    after: tuple[int, int] | None,
 ) -> LateWake:
     """A :class:`LateWake` from the thread's schedstat readings ``before`` and ``after`` its span."""
     if before is None or after is None:
-        return LateWake(at_s=at_s, lag_ms=lag_s * 1e3, span_ms=span_s * 1e3)
+        return LateWake(start=start, at_s=at_s, lag_ms=lag_s * 1e3, span_ms=span_s * 1e3)
     return LateWake(
+        start=start,
         at_s=at_s,
         lag_ms=lag_s * 1e3,
         span_ms=span_s * 1e3,
@@ -146,8 +154,6 @@ class LagMonitor:
 
     def __init__(self) -> None:
         self.lags: list[float] = []
-        # Wakes over LATE_S late: (time.monotonic() when the sleep began, lag in seconds).
-        self.late: list[tuple[float, float]] = []
         self.wakes: list[LateWake] = []
         self.duration_s = 0.0
         self._stop = False
@@ -165,8 +171,8 @@ class LagMonitor:
                 lag = max(now - start - INTERVAL, 0.0)
                 self.lags.append(lag)
                 if lag > LATE_S:
-                    self.late.append((start, lag))
-                    self.wakes.append(late_wake(now - self._started, lag, now - read_at, before, after))
+                    at_s = now - self._started
+                    self.wakes.append(late_wake(start, at_s, lag, now - read_at, before, after))
                 read_at, before = now, after
         finally:
             sched.close()
@@ -189,6 +195,11 @@ class LagMonitor:
         if self._task is not None:
             await self._task
         self.duration_s += time.monotonic() - self._started
+
+    @property
+    def late(self) -> list[tuple[float, float]]:
+        """Wakes over ``LATE_S`` late: (``time.monotonic()`` when the sleep began, lag in seconds)."""
+        return [(w.start, w.lag_ms / 1e3) for w in self.wakes]
 
     def stats(self) -> LagStats:
         """Summary of the samples recorded so far."""

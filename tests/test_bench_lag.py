@@ -16,10 +16,10 @@ linux = pytest.mark.skipif(sys.platform != "linux", reason="the split comes from
 
 
 def test_a_late_wake_splits_its_span_into_running_waiting_and_off_cpu() -> None:
-    wake = late_wake(1.5, 0.030, 0.031, (1_000_000, 0), (6_000_000, 2_000_000))
-    assert (wake.at_s, wake.lag_ms, wake.span_ms) == (1.5, 30.0, 31.0)
+    wake = late_wake(100.0, 1.5, 0.030, 0.031, (1_000_000, 0), (6_000_000, 2_000_000))
+    assert (wake.start, wake.at_s, wake.lag_ms, wake.span_ms) == (100.0, 1.5, 30.0, 31.0)
     assert (wake.ran_ms, wake.waited_ms, wake.off_cpu_ms) == (5.0, 2.0, 24.0)
-    unknown = late_wake(1.5, 0.030, 0.031, None, None)
+    unknown = late_wake(100.0, 1.5, 0.030, 0.031, None, None)
     assert unknown.ran_ms is None
     assert unknown.off_cpu_ms is None
 
@@ -31,8 +31,9 @@ def _row(*wakes: LateWake) -> LagRow:
 
 def test_the_report_shows_a_rows_longest_wake_and_where_the_loop_spent_it() -> None:
     res = Results(machine={}, config={})
-    res.lags.append(_row(LateWake(0.2, 12.0, 13.0, 1.0, 0.5), LateWake(1.25, 30.0, 31.0, 5.0, 2.0)))
-    res.lags.append(_row(LateWake(0.5, 11.0, 12.0)))
+    early, longest = LateWake(9.0, 0.2, 12.0, 13.0, 1.0, 0.5), LateWake(10.0, 1.25, 30.0, 31.0, 5.0, 2.0)
+    res.lags.append(_row(early, longest))
+    res.lags.append(_row(LateWake(9.5, 0.5, 11.0, 12.0)))
     res.lags.append(_row())
     table = _report._lag_table(res)
     assert "30.0 at 1.25 s: ran 5.0, waited 2.0, off CPU 24.0" in table
