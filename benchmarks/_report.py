@@ -151,12 +151,12 @@ def _staging_checks(res: Results) -> list[Check]:
 def _lag_checks(res: Results) -> list[Check]:
     out: list[Check] = []
     aio_cases = (s.AIO_SAVE, s.AIO_SAVE_ASYNC, s.AIO_SAVE_ASYNC_FIRST, s.AIO_LOAD, s.AIO_READ)
+    thread = next((x.stats for x in res.lags if x.state == "A" and x.case == s.LAG_THREAD), None)
+    base = f" (thread write: {thread.p99_ms:.2f}, {thread.max_ms:.1f})" if thread else ""
     for row in res.lags:
         if row.case not in aio_cases:
             continue
         st = row.stats
-        thread = next((x.stats for x in res.lags if x.state == "A" and x.case == s.LAG_THREAD), None)
-        base = f" (thread write: {thread.p99_ms:.2f}, {thread.max_ms:.1f})" if thread else ""
         out.append(
             Check(
                 f"{row.state}: loop lag during {row.case}",
