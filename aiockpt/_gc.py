@@ -13,21 +13,27 @@ objects allocated since the previous one (a few hundred), frees young cycles, an
 hold only atomic values, which is most of what a manifest is made of, so those never reach the older
 generations. Collections of the older generations wait until the last pause ends. The pause is
 reference-counted across threads and restores the previous thresholds. On Python 3.14 and later, whose
-collector is incremental and reads the thresholds differently, the collector is disabled instead.
+collector is incremental and reads the thresholds differently, the collector is disabled instead. A
+process forked during a pause starts with the previous settings and no pause (see :func:`_forget`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import threading
 from collections.abc import Iterator
 
 _lock = threading.Lock()
 _depth = 0
+# The settings of before the first pause, while one is in force (set before the collector is changed,
+# cleared after it is restored: a fork in between finds them). ``_was_enabled``: Python 3.14 and later.
 _saved: tuple[int, int, int] | None = None
-_was_enabled = False
+_was_enabled: bool | None = None
+# Bumped in a forked child: pauses begun before the fork are not counted there (see _forget).
+_generation = 0
 # Generation 1 is collected after this many generation-0 collections, generation 2 after this many of
 # generation 1: never, within one pause.
 _NEVER = 1 << 30
@@ -47,13 +53,32 @@ def _begin() -> None:
 
 
 def _end() -> None:
-    global _saved
+    global _saved, _was_enabled
     if _INCREMENTAL:
         if _was_enabled:
             gc.enable()
+        _was_enabled = None
     elif _saved is not None:
         gc.set_threshold(*_saved)
         _saved = None
+
+
+def _forget() -> None:
+    """In a forked child: restore the collector's settings of before the parent's pauses, and count none.
+
+    The child has none of the parent's saves or loads, and no thread of the parent: without this, its
+    older generations were never collected again, and a lock held by a parent's thread at the fork was
+    held for good.
+    """
+    global _lock, _depth, _generation
+    _lock = threading.Lock()
+    _end()
+    _depth = 0
+    _generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget)
 
 
 def collect_young() -> None:
@@ -77,10 +102,13 @@ def paused(enabled: bool = True) -> Iterator[None]:
         if _depth == 0:
             _begin()
         _depth += 1
+        generation = _generation
     try:
         yield
     finally:
         with _lock:
-            _depth -= 1
-            if _depth == 0:
-                _end()
+            # A pause begun before a fork, ended in the child, was never counted there.
+            if generation == _generation:
+                _depth -= 1
+                if _depth == 0:
+                    _end()

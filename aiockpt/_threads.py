@@ -45,7 +45,11 @@ class Aborted(Exception):
 
 _switch_lock = threading.Lock()
 _switch_depth = 0
-_switch_saved = 0.0
+# The interval of before the first use, while the current one is lowered (set before it is lowered,
+# cleared after it is restored: a fork in between finds it).
+_switch_saved: float | None = None
+# Bumped in a forked child: blocks entered before the fork are not counted there (see _forget_switches).
+_switch_generation = 0
 
 
 @contextlib.contextmanager
@@ -56,7 +60,8 @@ def short_switches(interval: float | None) -> Iterator[None]:
     milliseconds when a state has 10^4 tensors. Each time the event loop's thread wakes up meanwhile, it
     waits for the GIL for up to the interpreter's switch interval, 5 ms by default: that is its lag. The
     setting is process-wide, so uses are counted across threads: the first lowers it (never raises it),
-    the last restores the previous value. ``None`` makes the block a no-op.
+    the last restores the previous value. ``None`` makes the block a no-op. A process forked meanwhile
+    starts with the previous value and no uses (see :func:`_forget_switches`).
     """
     global _switch_depth, _switch_saved
     if interval is None:
@@ -64,16 +69,39 @@ def short_switches(interval: float | None) -> Iterator[None]:
         return
     with _switch_lock:
         if _switch_depth == 0:
-            _switch_saved = sys.getswitchinterval()
-            sys.setswitchinterval(min(interval, _switch_saved))
+            _switch_saved = saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, saved))
         _switch_depth += 1
+        generation = _switch_generation
     try:
         yield
     finally:
         with _switch_lock:
-            _switch_depth -= 1
-            if _switch_depth == 0:
-                sys.setswitchinterval(_switch_saved)
+            # A block entered before a fork, left in the child, was never counted there.
+            if generation == _switch_generation:
+                _switch_depth -= 1
+                if _switch_depth == 0 and _switch_saved is not None:
+                    sys.setswitchinterval(_switch_saved)
+                    _switch_saved = None
+
+
+def _forget_switches() -> None:
+    """In a forked child: restore the switch interval of before the parent's uses, and count none.
+
+    The child has none of the parent's saves or loads, and no thread of the parent: without this it kept
+    the short interval for good, and a lock held by a parent's thread at the fork, for good too.
+    """
+    global _switch_lock, _switch_depth, _switch_saved, _switch_generation
+    _switch_lock = threading.Lock()
+    if _switch_saved is not None:
+        sys.setswitchinterval(_switch_saved)
+        _switch_saved = None
+    _switch_depth = 0
+    _switch_generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_switches)
 
 
 # The nice increment of the threads that run_each starts for the save or load running in this context.
@@ -299,20 +327,53 @@ def _can_lower(nice: int) -> bool:
     return nice > 0 and sys.platform == "linux"
 
 
-def _lowered_thread(target: Callable[[], None], nice: int) -> threading.Thread:
-    """A thread (not started) that lowers its own priority by ``nice``, then runs ``target``.
+def _lower(nice: int) -> None:
+    """Lower the calling thread's priority by ``nice`` (Linux: this thread's alone). Blocking.
 
-    A thread of its own, lowered and then gone: an unprivileged process could not raise a pooled thread's
-    priority back.
+    Refused (``OSError``: a sandbox that forbids it, say), the thread keeps the caller's priority.
+
+    Raises:
+        Exception: What ``os.nice`` raises other than ``OSError`` (``TypeError`` for a ``nice`` not an int).
     """
+    with contextlib.suppress(OSError):
+        os.nice(nice)
 
-    def lowered() -> None:
-        if _can_lower(nice):
-            with contextlib.suppress(OSError):
-                os.nice(nice)
-        target()
 
-    return threading.Thread(target=lowered, name="aiockpt-io", daemon=True)
+def _in_own_threads(works: Sequence[Callable[[], None]], nice: int) -> list[BaseException]:
+    """Run each of ``works`` in a new thread of its own, all at once, and wait for all of them. Blocking.
+
+    Each thread first lowers its own priority by ``nice`` (if :func:`_can_lower`), as part of its work:
+    a thread of its own, lowered and then gone, as an unprivileged process could not raise a pooled
+    thread's priority back. Nothing a thread does is lost: whatever it raises (``BaseException`` too,
+    the lowering included) is in the list returned, in the order raised. A thread that cannot be
+    started is a failure too (the works after it are not run), and every thread started is waited for.
+
+    Returns:
+        The exceptions raised, in the order they were; empty if every work returned.
+    """
+    errors: list[BaseException] = []
+    lower = _can_lower(nice)
+
+    def guarded(work: Callable[[], None]) -> None:
+        try:
+            if lower:
+                _lower(nice)
+            work()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads: list[threading.Thread] = []
+    try:
+        for work in works:
+            thread = threading.Thread(target=guarded, args=(work,), name="aiockpt-io", daemon=True)
+            thread.start()
+            threads.append(thread)
+    except BaseException as exc:  # (RuntimeError: can't start new thread)
+        errors.append(exc)
+    finally:
+        for thread in threads:
+            thread.join()
+    return errors
 
 
 def each_in_thread(works: Sequence[Callable[[], None]]) -> None:
@@ -323,25 +384,14 @@ def each_in_thread(works: Sequence[Callable[[], None]]) -> None:
     work at the caller's priority runs in the calling thread.
 
     Raises:
-        Exception: The first failure, once every thread has returned.
+        BaseException: The first failure of a work, of lowering its thread's priority, or of starting its
+            thread, once every thread started has returned.
     """
     nice = _worker_nice.get()
     if len(works) == 1 and not _can_lower(nice):
         works[0]()
         return
-    errors: list[BaseException] = []
-
-    def guarded(work: Callable[[], None]) -> None:
-        try:
-            work()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [_lowered_thread(partial(guarded, work), nice) for work in works]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    errors = _in_own_threads(works, nice)
     if errors:
         raise errors[0]
 
@@ -369,30 +419,31 @@ async def run_each(
     ``abort`` and is re-raised here once every worker has returned (an :class:`Aborted` of a sibling is
     dropped). Inside ``responsive(io, lowered=True)`` with an ``io.worker_nice`` above 0, on Linux, each
     work runs in a new thread of that lower priority, which the pooled thread waits for; ``lower=False``
-    keeps them at the caller's even there.
+    keeps them at the caller's even there. Nothing a worker raises is lost, ``BaseException`` included,
+    nor a failure to lower its thread's priority or to start that thread (see :func:`_in_own_threads`).
 
     Raises:
-        Exception: The first worker failure.
+        BaseException: The first worker failure.
     """
     abort = threading.Event()
     errors: list[BaseException] = []
     nice = _worker_nice.get() if lower else 0
 
     def guarded(work: Callable[[threading.Event], None]) -> None:
+        # In the pooled thread: every failure is recorded, the lowering's and the thread start's too. An
+        # Aborted once ``abort`` is set is dropped (a failure recorded here, or a cancellation that
+        # propagates anyway, set it); one before would hide a work left unfinished, and is recorded.
         try:
-            work(abort)
-        except Aborted:
-            pass
+            if _can_lower(nice):
+                failures = _in_own_threads([partial(work, abort)], nice)
+                if failures:
+                    raise failures[0]
+            else:
+                work(abort)
         except BaseException as exc:
-            errors.append(exc)
-            abort.set()
-
-    def niced(work: Callable[[threading.Event], None]) -> None:
-        thread = _lowered_thread(partial(guarded, work), nice)
-        thread.start()
-        thread.join()
-
-    run = niced if _can_lower(nice) else guarded
+            if not (isinstance(exc, Aborted) and abort.is_set()):
+                errors.append(exc)
+                abort.set()
 
     done = anyio.Event()
 
@@ -410,7 +461,7 @@ async def run_each(
         try:
             async with anyio.create_task_group() as workers:
                 for work in works:
-                    workers.start_soon(_in_thread, partial(run, work), limiter)
+                    workers.start_soon(_in_thread, partial(guarded, work), limiter)
         finally:
             done.set()
     if errors:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ._errors import StateError
 from ._format import (
@@ -114,20 +115,29 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def check_tensor(tensor: torch.Tensor, path: KeyPath) -> None:
-    """Refuse tensors that have no plain strided byte layout.
+    """Refuse tensors that have no plain strided byte layout, or no data yet.
 
     Raises:
-        StateError: Sparse, quantized, nested, meta or sub-byte tensors, naming the key.
+        StateError: Sparse, quantized, nested, meta or sub-byte tensors, or uninitialized (lazy)
+            parameters and buffers, naming the key.
     """
     if (
         tensor.layout is torch.strided
         and tensor.dtype not in UNSUPPORTED_DTYPES
         and not tensor.is_meta
         and not tensor.is_nested
+        # A lazy parameter looks like an empty strided tensor until its data is used. Plain tensors, most
+        # of a state (``state_dict()`` detaches parameters), never are one: no call for them.
+        and (type(tensor) is torch.Tensor or not is_lazy(tensor))
     ):
         return
     problem = None
-    if tensor.layout != torch.strided:
+    if is_lazy(tensor):
+        problem = (
+            f"it is an uninitialized lazy parameter ({type(tensor).__name__}); materialize it by running a "
+            "forward pass through its module before saving"
+        )
+    elif tensor.layout != torch.strided:
         problem = f"layout {tensor.layout} (convert with .to_dense())"
     elif tensor.is_quantized or tensor.dtype in UNSUPPORTED_DTYPES:
         problem = f"dtype {tensor.dtype} has no byte layout aiockpt supports"
@@ -280,7 +290,12 @@ class _Flattener:
         if isinstance(obj, (list, tuple)):  # subclasses (namedtuple, torch.Size) would lose their type
             return self.fallback(obj, path)
         assert is_stateful(obj)
-        sd = obj.state_dict()  # type: ignore[attr-defined]
+        try:
+            sd = obj.state_dict()  # type: ignore[attr-defined]
+        except Exception as exc:  # (not BaseException: KeyboardInterrupt, SystemExit, cancellation pass)
+            raise StateError(
+                f"state_dict() of {type_name(obj)} at key {render(path)!r} failed: {exc}", key=render(path)
+            ) from exc
         if not isinstance(sd, Mapping):
             raise StateError(
                 f"state_dict() of {type_name(obj)} at key {render(path)!r} returned "
@@ -370,8 +385,9 @@ def flatten(state: Mapping[str, object], *, allow_pickle: bool) -> Flattened:
         StateError: ``state`` is not a mapping, a key has an unsupported type or value (an int key outside
             int64/uint64, a str that is not valid Unicode), an object cannot be stored (without
             ``allow_pickle``: an object of another type, or an int value outside int64/uint64), or the state
-            contains a cycle or nests containers more than :data:`MAX_DEPTH` levels deep; the message
-            names the key path.
+            contains a cycle or nests containers more than :data:`MAX_DEPTH` levels deep, a tensor cannot
+            be saved (see :func:`check_tensor`), or a Stateful's ``state_dict()`` raised (the cause
+            chained); the message names the key path.
     """
     if not isinstance(state, Mapping):
         raise StateError(f"the state must be a mapping with str keys, not {type_name(state)}")
