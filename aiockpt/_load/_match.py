@@ -3,7 +3,8 @@
 The walk builds a *result* tree shaped like the checkpoint, whose tensor leaves are destinations: the
 target's own tensors where they fit (filled in place), fresh CPU tensors where the target has none. Every
 difference (missing or unexpected key, shape, dtype or kind mismatch) is collected, so a strict load fails
-with all of them at once before any byte is read.
+with all of them at once before any byte is read. A target tensor that a load cannot fill in place (on
+the meta device, sparse, or with elements sharing memory) is such a difference too.
 
 Entries that a Stateful's ``state_dict()`` lacks are created from the checkpoint and handed to its
 ``load_state_dict`` (an optimizer that never stepped has no per-parameter state yet), except for
@@ -99,6 +100,8 @@ class LoadPlan:
 def _describe(obj: object) -> str:
     if isinstance(obj, torch.Tensor) and is_lazy(obj):
         return "an uninitialized lazy parameter (no shape until its module's first forward)"
+    if isinstance(obj, torch.Tensor) and obj.is_nested:  # (whose shape may be unknown)
+        return f"a nested tensor {str(obj.dtype).removeprefix('torch.')}"
     if isinstance(obj, torch.Tensor):
         return f"a tensor {str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}"
     return f"a {type(obj).__name__}"
@@ -106,6 +109,64 @@ def _describe(obj: object) -> str:
 
 def _entry_desc(e: TensorEntry) -> str:
     return f"{e.dtype}{list(e.shape)}"
+
+
+_STRIDED = torch.strided
+
+
+def _unfillable(t: torch.Tensor) -> str | None:
+    """Why a load cannot fill ``t`` in place, as a phrase (``"a tensor float32[4] on the meta device..."``).
+
+    ``None`` where it can. A load writes the target's own memory, element by element: a tensor of another
+    layout than strided (sparse, MKL-DNN) has no such memory, nor has one on the meta device (a load
+    would leave it as it is: aiockpt fills tensors, it does not replace them as
+    ``load_state_dict(assign=True)`` does). Nor can it write a tensor whose elements share memory by a
+    stride of 0 over a dimension of more than one (``expand()``), which ``copy_`` refuses: exactly the
+    overlap torch tells cheaply. Elements that overlap otherwise (only ``as_strided`` makes them) are
+    written as ``copy_`` writes them, as ``load_state_dict`` would.
+    """
+    if t.layout is not _STRIDED:
+        return f"{_describe(t)} of layout {str(t.layout).removeprefix('torch.')}, which a load cannot fill"
+    if t.is_meta:
+        return (
+            f"{_describe(t)} on the meta device: it has no memory to load into (a load fills tensors in "
+            "place; materialize it first, as Module.to_empty(device=...) does)"
+        )
+    if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride(), strict=True)):
+        return (
+            f"{_describe(t)} whose elements share memory (stride {list(t.stride())}, an expanded view): "
+            "a load cannot fill it in place"
+        )
+    return None
+
+
+# The per-parameter state that torch's own optimizers (``torch.optim``) keep in their parameter's shape:
+# each is made by ``zeros_like``/``full_like`` of the parameter or its gradient, and stepped with it
+# elementwise (Adam's ``exp_avg``, SGD's ``momentum_buffer``, Adafactor's ``variance``, kept for a 1-d
+# parameter only...). Other state has other shapes: ``step``, ASGD's ``eta`` (scalars), Adafactor's
+# ``row_var``/``col_var`` (factored), LBFGS's flat vectors of every parameter. A never-stepped optimizer
+# has no state for the matcher to compare the checkpoint's with (a stepped one's is compared in place),
+# so state of these names is compared with the target's parameter instead: where the target is one of
+# torch's optimizers, state of another shape would fail its next step (or step wrongly, broadcast), so
+# no load it can use is refused. Other optimizers' state is not judged, subclasses' included: their
+# names promise nothing (GaLore's ``exp_avg`` is of a projected, smaller shape). Names from torch 2.x.
+_PARAM_SHAPED = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "exp_inf",
+        "momentum_buffer",
+        "square_avg",
+        "acc_delta",
+        "grad_avg",
+        "sum",
+        "ax",
+        "prev",
+        "step_size",
+        "variance",
+    }
+)
 
 
 class _Matcher:
@@ -121,6 +182,10 @@ class _Matcher:
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
         self.inside_stateful = 0
         self.params: dict[KeyPath, torch.Tensor] = {}
+        # The key paths of the optimizers' ``state`` mappings (see ``_ids``).
+        self.states: set[KeyPath] = set()
+        # The optimizers (their key paths) whose state names say which state has its parameter's shape.
+        self.shaped: set[KeyPath] = set()
         # The state dicts of LR schedulers, and the param groups of optimizers, in the target: where some
         # keys the checkpoint lacks keep the target's value (see ``_kept``).
         self.schedulers: set[KeyPath] = set()
@@ -192,18 +257,43 @@ class _Matcher:
         """Remember which parameter each optimizer-state id stands for, and where the param groups are.
 
         State the optimizer has not created yet is then created like its parameter (a DTensor shard for a
-        DTensor parameter), as the optimizer itself would. A param group's setting that the checkpoint
-        lacks may keep the optimizer's own value (see :meth:`_kept`).
+        DTensor parameter), as the optimizer itself would, and checked against it where the optimizer is
+        one of torch's (see ``_PARAM_SHAPED``). A param group's setting that the checkpoint lacks may keep
+        the optimizer's own value (see :meth:`_kept`).
         """
         groups = sd.get("param_groups")
         if not isinstance(groups, list):
             return
+        module = type(opt).__module__
+        if module == "torch.optim" or module.startswith("torch.optim."):
+            self.shaped.add(path)
         self.groups.update((*path, "param_groups", i) for i in range(len(groups)))
+        self.states.add((*path, "state"))
         for group, live in zip(groups, opt.param_groups, strict=False):
             ids = group.get("params", []) if isinstance(group, Mapping) else []
             for pid, param in zip(ids, live["params"], strict=False):
                 key: KeyPath = (*path, "state", cast("Key", pid))
                 self.params[key] = param
+
+    def _ids(self, keys: tuple[Key, ...], path: KeyPath) -> tuple[Key, ...]:
+        """The keys of an optimizer's ``state`` at ``path``, with DCP's str ids made its int ids again.
+
+        DCP stores every mapping key as ``str(key)``, so an optimizer's state converted from a DCP
+        checkpoint by other tools (``dcp_to_torch_save``; aiockpt's ``convert`` restores the ints) is
+        keyed ``"0"``, ``"1"``...: handed to ``load_state_dict`` as they are, torch keeps such entries
+        under the str keys, of no parameter, and the optimizer starts afresh without a word. A key that
+        is the decimal string of one of the optimizer's parameter ids, where the checkpoint lacks that
+        int, is that id (as loading from the DCP directory itself makes it: ``_interop/_names.py``).
+        """
+        present = set(keys)
+        out: list[Key] = []
+        for k in keys:
+            if isinstance(k, str) and k.isascii() and k.isdigit() and str(int(k)) == k:
+                i = int(k)
+                if i not in present and (*path, i) in self.params:
+                    k = i
+            out.append(k)
+        return tuple(out)
 
     def _kept(self, path: KeyPath, name: object, value: object) -> bool:
         """Whether the target's key ``name`` at ``path``, which the checkpoint lacks, keeps ``value``.
@@ -254,7 +344,8 @@ class _Matcher:
             return out
         have = tmpl if isinstance(tmpl, Mapping) else {}
         created = 0
-        for k, child in zip(node.keys, node.values, strict=True):
+        keys = self._ids(node.keys, path) if self.states and path in self.states else node.keys
+        for k, child in zip(keys, node.values, strict=True):
             sub = (*path, k)
             if k in have:
                 t = have[k]
@@ -263,8 +354,13 @@ class _Matcher:
                 else:
                     out[k] = self.build(child, t, sub, create=create)
             elif create:
-                created += 1
-                out[k] = self.build(child, MISSING, sub, create=create)
+                found = len(self.plan.differences)
+                value = self.build(child, MISSING, sub, create=create)
+                # An entry built with a difference is left out whole (strict=False): a parameter's optimizer
+                # state missing one tensor would break the optimizer's next step, none makes it start anew.
+                if len(self.plan.differences) == found:
+                    created += 1
+                    out[k] = value
             else:
                 self.diff(f"{render(sub)}: unexpected key (in the checkpoint, not in the target)")
         # ``out`` has every key of the target that the checkpoint has, and the keys created; when their
@@ -317,6 +413,8 @@ class _Matcher:
             if dtype_name(local.dtype) != entry.dtype or box.shape != entry.shape:
                 self.diff(f"{render(path)}: the target is a DTensor {dtype_name(local.dtype)}"
                           f"{list(box.shape)}, the checkpoint {_entry_desc(entry)}")  # fmt: skip
+            elif (why := _unfillable(local)) is not None:
+                self.diff(f"{render(path)}: the target is a DTensor whose local shard is {why}")
             else:
                 dest = self.plan.destinations.get(node.index)
                 if dest is None:
@@ -345,12 +443,30 @@ class _Matcher:
         return tmpl
 
     def in_place(self, node: TensorNode, tmpl: torch.Tensor, path: KeyPath) -> torch.Tensor:
-        """``tmpl`` (not a DTensor) as the destination of ``node``, if it has the entry's dtype and shape."""
+        """``tmpl`` (not a DTensor) as the destination of ``node``, if it has the entry's dtype and shape.
+
+        And if a load can fill it in place (see :func:`_unfillable`): a target it cannot is a difference,
+        found here before anything is written.
+        """
         index = node.index
         entry = self.m.tensors[index]
-        if dtype_name(tmpl.dtype) != entry.dtype or tmpl.shape != entry.shape:  # (a Size is a tuple)
+        try:
+            fits = dtype_name(tmpl.dtype) == entry.dtype and tmpl.shape == entry.shape  # (a Size is a tuple)
+        except RuntimeError:
+            if not tmpl.is_nested:
+                raise
+            fits = False  # a nested tensor of strided layout has no shape (one of jagged layout has)
+        if not fits:
             self.diff(f"{render(path)}: the target is {_describe(tmpl)}, the checkpoint {_entry_desc(entry)}")
             return tmpl
+        # Three tests pass nearly every target (a contiguous strided CPU or GPU tensor); only the others,
+        # which may still be fine (a transposed view), are looked at closely. The layout goes first: a
+        # sparse CSR tensor refuses is_contiguous().
+        if tmpl.layout is not _STRIDED or tmpl.is_meta or not tmpl.is_contiguous():
+            why = _unfillable(tmpl)
+            if why is not None:
+                self.diff(f"{render(path)}: the target is {why}")
+                return tmpl
         destinations = self.plan.destinations
         dest = destinations.get(index)
         if dest is None:
@@ -370,9 +486,11 @@ class _Matcher:
             except ValueError:
                 self.diff(f"{render(path)}: dtype {entry.dtype} is unknown to this torch")
                 return None
-            if dtensor is not None and self.params:
-                param = self.params.get(path[:-1])
-                if isinstance(param, dtensor) and tuple(param.shape) == entry.shape:
+            param = self.params.get(path[:-1]) if self.params else None
+            if param is not None:
+                if self.misshapen(entry, param, path):
+                    return None
+                if dtensor is not None and isinstance(param, dtensor) and tuple(param.shape) == entry.shape:
                     return self.shard_like(node.index, param, dtype_)
             mapped = self.mapper.tensor(entry, dtype_) if self.mapper is not None else None
             if mapped is not None:
@@ -384,6 +502,22 @@ class _Matcher:
                 dest = Destination(node.index, fresh, True, view=view)
             self.plan.destinations[node.index] = dest
         return dest.tensor
+
+    def misshapen(self, entry: TensorEntry, param: torch.Tensor, path: KeyPath) -> bool:
+        """Whether ``entry``, optimizer state at ``path`` created for ``param``, is a difference (noted).
+
+        It is where torch's optimizers keep state of that name in their parameter's shape, and the
+        target's parameter has another (see ``_PARAM_SHAPED``).
+        """
+        if path[-1] not in _PARAM_SHAPED or path[:-3] not in self.shaped or is_lazy(param):
+            return False
+        if tuple(param.shape) == entry.shape:  # (a DTensor's global shape, as the entry's)
+            return False
+        self.diff(
+            f"{render(path)}: the checkpoint holds {_entry_desc(entry)}, optimizer state of its parameter's "
+            f"shape, and the target's parameter is {_describe(param)}"
+        )
+        return True
 
     def shard_like(self, index: int, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A new DTensor laid out like ``param``, as the destination of tensor ``index``."""
@@ -411,7 +545,8 @@ class _Matcher:
         try:
             return pickle.loads(node.data)
         except Exception as exc:
-            raise StateError(f"cannot unpickle {node.type_name} at key {render(path)!r}: {exc}") from exc
+            key = render(path)
+            raise StateError(f"cannot unpickle {node.type_name} at key {key!r}: {exc}", key=key) from exc
 
 
 _DTYPES: dict[str, torch.dtype] = {}
@@ -645,7 +780,12 @@ def _storage(obj: object) -> int | None:
     if not isinstance(obj, torch.Tensor) or is_lazy(obj):  # (an uninitialized one has no storage yet)
         return None
     local = _local(obj)
-    return local.untyped_storage().data_ptr() if local.device.type != "meta" else None
+    if local.is_meta:
+        return None
+    try:
+        return local.untyped_storage().data_ptr()
+    except NotImplementedError:  # a sparse or MKL-DNN tensor: no storage of its own
+        return None
 
 
 def _storages(module: torch.nn.Module) -> set[int | None]:
@@ -678,7 +818,7 @@ def match(
     through a tie, is made when the walk meets it).
 
     Raises:
-        StateError: A pickled object is met without ``allow_pickle``.
+        StateError: A pickled object is met without ``allow_pickle``, or cannot be unpickled (names the key).
         CorruptionError: With ``data``, a fresh tensor's data file is missing or too short, or its chunks
             hold less than it.
         StorageError: With ``data`` on object storage, a request for a data object's size failed.

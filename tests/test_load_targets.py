@@ -1,0 +1,315 @@
+"""Targets a load cannot fill in place, and optimizer state that does not fit: differences, found first.
+
+A strict load refuses them in its one ``StateMismatchError`` before any byte is written; ``strict=False``
+leaves them out and names them in its warning. Also: an unpickling failure names its key.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+from conftest import tensor_at
+
+import aiockpt
+from aiockpt import StateMismatchError, StateMismatchWarning
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def keys_of(error: StateMismatchError) -> list[str]:
+    return sorted(d.split(":")[0] for d in error.differences)
+
+
+# --- Meta tensors ---------------------------------------------------------------------------------------
+
+
+def meta_target() -> dict[str, object]:
+    with torch.device("meta"):
+        module = torch.nn.Linear(2, 2)
+    return {"a": torch.empty(4, device="meta"), "m": module, "c": torch.zeros(3)}
+
+
+async def save_for_meta(path: Path) -> None:
+    await aiockpt.save({"a": torch.arange(4.0), "m": torch.nn.Linear(2, 2), "c": torch.ones(3)}, path)
+
+
+async def test_a_strict_load_refuses_meta_tensors_naming_each(ckpt_path: Path) -> None:
+    await save_for_meta(ckpt_path)
+    target = meta_target()
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load(target, ckpt_path)
+    assert keys_of(info.value) == ["a", "m/bias", "m/weight"], info.value.differences
+    assert all("meta device" in d for d in info.value.differences), info.value.differences
+    assert torch.equal(tensor_at(target, "c"), torch.zeros(3))  # nothing was loaded
+
+
+async def test_a_non_strict_load_leaves_meta_tensors_out_and_says_so(ckpt_path: Path) -> None:
+    await save_for_meta(ckpt_path)
+    target = meta_target()
+    with pytest.warns(StateMismatchWarning) as record:  # (and no other warning: they are errors here)
+        await aiockpt.load(target, ckpt_path, strict=False)
+    text = " ".join(str(w.message) for w in record)
+    for key in ("a:", "m/weight:", "m/bias:"):
+        assert key in text, (key, text)
+    assert torch.equal(tensor_at(target, "c"), torch.ones(3))
+    module = target["m"]
+    assert isinstance(module, torch.nn.Linear)
+    assert module.weight.is_meta
+    assert tensor_at(target, "a").is_meta
+
+
+async def test_a_materialized_module_loads(ckpt_path: Path) -> None:
+    """The way out the message names: ``to_empty`` gives the module memory, which the load fills."""
+    saved = torch.nn.Linear(2, 2)
+    await aiockpt.save({"m": saved}, ckpt_path)
+    with torch.device("meta"):
+        module = torch.nn.Linear(2, 2)
+    module.to_empty(device="cpu")
+    await aiockpt.load({"m": module}, ckpt_path)
+    assert torch.equal(module.weight, saved.weight)
+
+
+# --- Tensors whose elements share memory ----------------------------------------------------------------
+
+
+async def test_an_expanded_target_is_refused_before_anything_is_written(ckpt_path: Path) -> None:
+    await aiockpt.save({"a": torch.arange(1000.0), "b": torch.arange(3.0)}, ckpt_path)
+    target: dict[str, object] = {"a": torch.zeros(1000), "b": torch.zeros(1).expand(3)}
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load(target, ckpt_path)
+    assert keys_of(info.value) == ["b"], info.value.differences
+    assert "share memory" in info.value.differences[0]
+    assert not tensor_at(target, "a").any()  # nothing was loaded
+
+
+async def test_a_non_strict_load_leaves_an_expanded_target_out(ckpt_path: Path) -> None:
+    await aiockpt.save({"a": torch.arange(1000.0), "b": torch.arange(6.0).reshape(2, 3)}, ckpt_path)
+    target: dict[str, object] = {"a": torch.zeros(1000), "b": torch.zeros(2, 1).expand(2, 3)}
+    with pytest.warns(StateMismatchWarning, match=r"not loaded: b: .*share memory"):
+        await aiockpt.load(target, ckpt_path, strict=False)
+    assert torch.equal(tensor_at(target, "a"), torch.arange(1000.0))
+    assert not tensor_at(target, "b").any()
+
+
+async def test_strided_targets_whose_elements_are_apart_still_load(ckpt_path: Path) -> None:
+    """Only a stride of 0 over more than one element is refused: views, size-1 dimensions load."""
+    saved = {
+        "t": torch.arange(6.0).reshape(2, 3),
+        "s": torch.arange(4.0),
+        "one": torch.arange(6.0).reshape(1, 2, 3),
+    }
+    await aiockpt.save(saved, ckpt_path)
+    base = torch.zeros(8)
+    target: dict[str, object] = {
+        "t": torch.zeros(3, 2).t(),  # transposed: not contiguous
+        "s": base[::2],  # every other element
+        "one": torch.zeros(6).as_strided((1, 2, 3), (0, 1, 2)),  # transposed, stride 0 over one element
+    }
+    await aiockpt.load(target, ckpt_path)
+    for key, value in saved.items():
+        assert torch.equal(tensor_at(target, key), value), key
+    assert torch.equal(base[1::2], torch.zeros(4))
+
+
+# --- Layouts other than strided -------------------------------------------------------------------------
+
+
+def sparse_targets() -> dict[str, Callable[[], torch.Tensor]]:
+    makers: dict[str, Callable[[], torch.Tensor]] = {
+        "sparse_coo": lambda: torch.zeros(4, 4).to_sparse(),
+        "sparse_csr": lambda: torch.zeros(4, 4).to_sparse_csr(),
+        "sparse_bsr": lambda: torch.zeros(4, 4).to_sparse_bsr((2, 2)),
+    }
+    if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        makers["_mkldnn"] = lambda: torch.zeros(4, 4).to_mkldnn()
+    return makers
+
+
+@pytest.mark.filterwarnings("ignore:Sparse (CSR|BSR) tensor support is in beta:UserWarning")
+@pytest.mark.parametrize("layout", sorted(sparse_targets()))
+@pytest.mark.parametrize("strict", [True, False])
+async def test_a_target_of_another_layout_is_a_difference(ckpt_path: Path, layout: str, strict: bool) -> None:
+    await aiockpt.save({"a": torch.eye(4), "b": torch.ones(2)}, ckpt_path)
+    target: dict[str, object] = {"a": sparse_targets()[layout](), "b": torch.zeros(2)}
+    if strict:
+        with pytest.raises(StateMismatchError) as info:
+            await aiockpt.load(target, ckpt_path)
+        assert keys_of(info.value) == ["a"], info.value.differences
+        assert f"layout {layout}" in info.value.differences[0]
+        assert not tensor_at(target, "b").any()
+    else:
+        with pytest.warns(StateMismatchWarning, match=rf"not loaded: a: .*layout {layout}"):
+            await aiockpt.load(target, ckpt_path, strict=False)
+        assert torch.equal(tensor_at(target, "b"), torch.ones(2))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+async def test_a_nested_target_is_a_difference(ckpt_path: Path, layout: torch.layout) -> None:
+    """A nested tensor of strided layout has no shape to compare: it is a difference all the same."""
+    await aiockpt.save({"a": torch.zeros(2, 3), "b": torch.ones(2)}, ckpt_path)
+    nested = torch.nested.nested_tensor([torch.zeros(3), torch.zeros(3)], layout=layout)
+    with pytest.raises(StateMismatchError, match=r"a: the target is a nested tensor float32, the checkpoint"):
+        await aiockpt.load({"a": nested, "b": torch.zeros(2)}, ckpt_path)
+    target: dict[str, object] = {"a": nested, "b": torch.zeros(2)}
+    with pytest.warns(StateMismatchWarning, match=r"not loaded: a: the target is a nested tensor"):
+        await aiockpt.load(target, ckpt_path, strict=False)
+    assert torch.equal(tensor_at(target, "b"), torch.ones(2))
+
+
+class WithSparseBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.register_buffer("mask", torch.zeros(2, 2).to_sparse())
+
+
+async def test_a_module_with_a_sparse_buffer_loads_the_rest(ckpt_path: Path) -> None:
+    saved = torch.nn.Linear(2, 2)
+    await aiockpt.save(
+        {"m": {"lin.weight": saved.weight, "lin.bias": saved.bias, "mask": torch.eye(2)}}, ckpt_path
+    )
+    module = WithSparseBuffer()
+    with pytest.warns(StateMismatchWarning, match=r"m/mask: .*layout sparse_coo"):
+        await aiockpt.load({"m": module}, ckpt_path, strict=False)
+    assert torch.equal(module.lin.weight, saved.weight)
+
+
+# --- A never-stepped optimizer over parameters of other shapes ------------------------------------------
+
+
+def stepped(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+async def save_adamw(path: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    stepped(model, opt)
+    await aiockpt.save({"optim": opt}, path)
+
+
+async def test_a_fresh_optimizer_refuses_state_of_other_shapes(ckpt_path: Path) -> None:
+    await save_adamw(ckpt_path)
+    opt = torch.optim.AdamW(torch.nn.Linear(4, 8).parameters())  # never stepped, other shapes
+    with pytest.raises(StateMismatchError) as info:
+        await aiockpt.load({"optim": opt}, ckpt_path)
+    assert keys_of(info.value) == [
+        "optim/state/0/exp_avg",
+        "optim/state/0/exp_avg_sq",
+        "optim/state/1/exp_avg",
+        "optim/state/1/exp_avg_sq",
+    ], info.value.differences
+    assert "float32[8, 4]" in info.value.differences[0]
+    assert opt.state_dict()["state"] == {}
+
+
+async def test_a_fresh_optimizer_leaves_misfit_state_out_non_strict(ckpt_path: Path) -> None:
+    """Only the parameters whose state fits get it; the others start anew, and the next step works."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    stepped(model, opt)
+    await aiockpt.save({"optim": opt}, ckpt_path)
+
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 6))  # the last layer resized
+    opt2 = torch.optim.AdamW(model2.parameters())
+    with pytest.warns(StateMismatchWarning, match=r"optim/state/2/exp_avg: .*optim/state/3/exp_avg"):
+        await aiockpt.load({"optim": opt2}, ckpt_path, strict=False)
+    state = opt2.state_dict()["state"]
+    assert sorted(state) == [0, 1]
+    assert torch.equal(state[0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    model2(torch.randn(2, 4)).sum().backward()
+    opt2.step()  # the resized layer's state starts anew
+
+
+async def test_a_stepped_optimizer_refuses_state_of_other_shapes_too(ckpt_path: Path) -> None:
+    await save_adamw(ckpt_path)
+    model = torch.nn.Linear(4, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    stepped(model, opt)
+    with pytest.raises(StateMismatchError, match=r"optim/state/0/exp_avg:"):
+        await aiockpt.load({"optim": opt}, ckpt_path)
+
+
+def lbfgs_closure(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], torch.Tensor]:
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.ones(2, 4)).pow(2).sum()
+        loss.backward()
+        return cast("torch.Tensor", loss)
+
+    return closure
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda ps: torch.optim.LBFGS(ps), id="LBFGS"),  # flat vectors of every parameter
+        pytest.param(lambda ps: torch.optim.Adafactor(ps), id="Adafactor"),  # factored second moments
+        pytest.param(lambda ps: torch.optim.Adam(ps, amsgrad=True), id="Adam-amsgrad"),
+        pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), id="SGD-momentum"),
+        pytest.param(lambda ps: torch.optim.ASGD(ps), id="ASGD"),  # scalar eta and mu
+        pytest.param(lambda ps: torch.optim.Rprop(ps), id="Rprop"),
+    ],
+)
+async def test_a_fresh_optimizer_takes_state_of_matching_parameters(
+    ckpt_path: Path, make: Callable[[object], torch.optim.Optimizer]
+) -> None:
+    """State of shapes other than its parameter's (scalars, flat or factored) is not refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))  # a 1-d parameter first
+    opt = make(model.parameters())
+    if isinstance(opt, torch.optim.LBFGS):
+        opt.step(lbfgs_closure(model, opt))  # type: ignore[no-untyped-call]
+    else:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    await aiockpt.save({"optim": opt}, ckpt_path)
+
+    model2 = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 3))
+    opt2 = make(model2.parameters())
+    await aiockpt.load({"optim": opt2}, ckpt_path)  # strict
+    assert sorted(opt2.state_dict()["state"]) == sorted(opt.state_dict()["state"])
+
+
+class ProjectingAdam(torch.optim.Optimizer):
+    """An optimizer of another library whose ``exp_avg`` is not of its parameter's shape (as GaLore's)."""
+
+    def __init__(self, params: object) -> None:
+        super().__init__(params, {"lr": 0.1})  # type: ignore[arg-type]
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["exp_avg"] = torch.zeros(2, p.shape[-1])
+
+
+async def test_other_optimizers_state_is_not_judged_by_name(ckpt_path: Path) -> None:
+    opt = ProjectingAdam(torch.nn.Linear(4, 4, bias=False).parameters())
+    opt.step()
+    await aiockpt.save({"optim": opt}, ckpt_path)
+    opt2 = ProjectingAdam(torch.nn.Linear(4, 4, bias=False).parameters())
+    await aiockpt.load({"optim": opt2}, ckpt_path)  # strict: exp_avg [2, 4] for a [4, 4] parameter is fine
+    assert opt2.state_dict()["state"][0]["exp_avg"].shape == (2, 4)
+
+
+# --- Unpickling failures name their key -----------------------------------------------------------------
+
+
+class Gone:
+    pass
+
+
+async def test_an_unpickling_failure_names_its_key(ckpt_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    await aiockpt.save({"nested": {"g": Gone()}}, ckpt_path, allow_pickle=True)
+    monkeypatch.delattr(sys.modules[__name__], "Gone")
+    with pytest.raises(aiockpt.StateError, match=r"cannot unpickle .*Gone at key 'nested/g'") as info:
+        await aiockpt.read(ckpt_path, allow_pickle=True)
+    assert info.value.key == "nested/g"
