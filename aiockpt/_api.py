@@ -18,10 +18,10 @@ from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._insulate import insulated
 from ._interop import detect, load_foreign, read_foreign
-from ._load import deleted_meanwhile, run_load, run_metadata, run_read
+from ._load import check_target, deleted_meanwhile, run_load, run_metadata, run_read
 from ._load._ranks import checked_rank
 from ._memory import ONE_SHOT_PINNED, StagingPool
-from ._options import IOConfig, check_flags, check_timeout
+from ._options import IOConfig, check_flags, check_timeout, io_config
 from ._runner import start_background
 from ._save import SaveRequest, run_save
 from ._storage import S3Options, S3Path, resolve
@@ -127,7 +127,7 @@ async def save(
         copy=async_op,
         allow_pickle=allow_pickle,
         user_metadata=dict(metadata or {}),
-        io=io or IOConfig(),
+        io=io_config(io),
     )
     handle = SaveHandle(path=str(req.path), step=None)
     pool = StagingPool(pinned_from=ONE_SHOT_PINNED)
@@ -191,22 +191,21 @@ async def load(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
         StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a smaller
-            world); names the key.
+            world); names the key. Or ``state`` is not a mutable mapping (nothing was read).
         CheckpointError: ``rank`` is not an int of at least 0, or ``strict`` or ``allow_pickle`` is not a
             bool.
     """
     check_flags(strict=strict, allow_pickle=allow_pickle)
+    check_target(state)
     chosen = checked_rank(rank)
     target = resolve(path, s3)
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
     if kind != "aiockpt":
         assert isinstance(target, Path)
-        await load_foreign(state, target, kind, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig())
+        await load_foreign(state, target, kind, strict=strict, allow_pickle=allow_pickle, io=io_config(io))
         return state
     try:
-        await run_load(
-            state, target, strict=strict, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen
-        )
+        await run_load(state, target, strict=strict, allow_pickle=allow_pickle, io=io_config(io), rank=chosen)
     except CorruptionError as exc:
         gone = await deleted_meanwhile(target, exc)
         if gone is None:
@@ -260,9 +259,9 @@ async def read(
     kind = "aiockpt" if isinstance(target, S3Path) else await run_sync(lambda: detect(target))
     if kind != "aiockpt":
         assert isinstance(target, Path)
-        return await read_foreign(target, kind, allow_pickle=allow_pickle, io=io or IOConfig())
+        return await read_foreign(target, kind, allow_pickle=allow_pickle, io=io_config(io))
     try:
-        return await run_read(target, allow_pickle=allow_pickle, io=io or IOConfig(), rank=chosen)
+        return await run_read(target, allow_pickle=allow_pickle, io=io_config(io), rank=chosen)
     except CorruptionError as exc:
         gone = await deleted_meanwhile(target, exc)
         if gone is None:

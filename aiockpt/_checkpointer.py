@@ -33,9 +33,9 @@ from ._format import MANIFEST_NAME, Key, part_dir_name
 from ._fs import TMP_PREFIX, collect_garbage, flocked, fsync_dir, remove_tree, replace_durable
 from ._handle import Metadata, SaveHandle, SaveState
 from ._insulate import insulated, warn_at_caller
-from ._load import exists, is_checkpoint, run_load, run_metadata, run_read
+from ._load import check_target, exists, is_checkpoint, run_load, run_metadata, run_read
 from ._memory import StagingPool
-from ._options import IOConfig, check_flags, check_timeout
+from ._options import IOConfig, check_flags, check_timeout, io_config
 from ._runner import start_background, start_soon
 from ._save import SaveRequest, run_reserve, run_save
 from ._storage import Location, S3Options, S3Path, resolve
@@ -117,16 +117,20 @@ def collect_temp(root: Path, *, dry_run: bool = False) -> list[Path]:
     return removed
 
 
-def publish_newer(root: Path, step: int, doomed: Iterable[int]) -> list[Path]:
+def publish_newer(root: Path, step: int, doomed: Iterable[int], *, locked: bool = True) -> list[Path]:
     """Point ``latest`` at ``step`` unless it names a newer committed step; then trash ``doomed``. Blocking.
 
-    The ranks of a collective-free job each update ``latest`` when they complete a step, from their own
-    index (``step`` is its newest): a rank late with an older step must not undo a newer one. They take
-    turns under an ``flock`` on :data:`LATEST_LOCK`, so ``latest`` is read and replaced by one at a
-    time, and it only moves forward, to a step that is committed now; a ``latest`` naming a step that is
-    no longer committed (removed by hand) is replaced. Retention runs under the lock too, once ``latest``
-    names ``step`` or a newer step, and ``doomed`` is older than ``step``: the step ``latest`` names is
-    never trashed.
+    Every writer of a root updates ``latest`` when it commits a step, from its own index (``step`` is its
+    newest): the ranks of a collective-free job, and Checkpointers of one root in several processes. One
+    late with an older step must not undo a newer one: ``latest`` only moves forward, to a step that is
+    committed now; a ``latest`` naming a step that is no longer committed (removed by hand) is replaced.
+    Retention runs after that, and ``doomed`` is older than ``step``: the step ``latest`` names is never
+    trashed.
+
+    ``locked``: the writers take turns under an ``flock`` on :data:`LATEST_LOCK`, so ``latest`` is read
+    and replaced by one at a time. The ranks of a collective-free job, which complete steps at the same
+    time, do; other roots have one writer as a rule, and no lock file (two writers committing at the same
+    moment may then leave ``latest`` on the older of their steps; loads scan the steps, not ``latest``).
 
     Returns:
         The trees of the steps trashed, for the caller to remove (see :func:`trash_steps`).
@@ -134,7 +138,7 @@ def publish_newer(root: Path, step: int, doomed: Iterable[int]) -> list[Path]:
     Raises:
         OSError: The lock, ``latest`` or a step directory cannot be read or written.
     """
-    with flocked(root / LATEST_LOCK):
+    with flocked(root / LATEST_LOCK) if locked else contextlib.nullcontext():
         current = latest_of(root)
         if (
             current != step
@@ -292,6 +296,16 @@ def _check_arguments(
         raise refuse("s3", "an aiockpt.S3Options or None", s3)
 
 
+def _check_step(step: object) -> None:
+    """Refuse a step that is not an int from 0 to 2**63 - 1 (a bool is not one).
+
+    Raises:
+        CheckpointError: It is not; the message names it.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
+        raise CheckpointError(f"step must be a non-negative int (below 2**63), not {step!r}")
+
+
 class Checkpointer:
     """Checkpoints of one training run or service under ``root``, one directory per step.
 
@@ -370,7 +384,7 @@ class Checkpointer:
         self.max_inflight = max_inflight
         self.on_busy: OnBusy = on_busy
         self.allow_pickle = allow_pickle
-        self.io = io or IOConfig()
+        self.io = io_config(io)
         self._pool = StagingPool(staging_budget, wait=on_busy == "wait", own_pinned=True)
         self._steps: list[int] = []
         self._inflight: dict[int, SaveHandle] = {}
@@ -543,8 +557,7 @@ class Checkpointer:
         await self.open()
         if self._closing:
             raise CheckpointError(f"the Checkpointer of {self.root} is closing")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**63:
-            raise CheckpointError(f"step must be a non-negative int (below 2**63), not {step!r}")
+        _check_step(step)
         path = self.path_of(step)
         # Distributed: rank 0 checks the target inside the save's collective protocol, so that every
         # rank takes the same decision; here only a step in flight on this rank is refused early.
@@ -585,7 +598,11 @@ class Checkpointer:
             settle=self._removals_done,
         )
 
+        ran = False  # the body began: from then on, it gives the slot back itself
+
         async def body(report: Callable[[SaveState], None]) -> Metadata:
+            nonlocal ran
+            ran = True
             try:
                 meta = await run_save(
                     req, world=self._world, pool=self._pool, metrics=handle.metrics, report=report
@@ -602,7 +619,7 @@ class Checkpointer:
                 return await start_background(handle, body)
             await handle._drive(body)
         except BaseException:
-            if not handle.done():  # failed before the body ran: give the slot back here
+            if not ran:  # failed before the body began: give the slot back here
                 slots.release()
                 self._abandon(handle)
             raise
@@ -701,10 +718,10 @@ class Checkpointer:
             self._steps = [s for s in self._steps if s not in doomed]
             return
         root = self.root
-        latest = (step_dir_name(steps[-1]) + "\n").encode()
         if isinstance(root, S3Path):
             from ._storage._s3 import put, remove
 
+            latest = (step_dir_name(steps[-1]) + "\n").encode()
             await put(root, LATEST, latest, create=False)
             for s in doomed:
                 # The manifest goes first: the step stops being a checkpoint at once, and a crash
@@ -713,14 +730,11 @@ class Checkpointer:
             self._steps = [s for s in self._steps if s not in doomed]
             return
 
-        def publish(root: Path) -> list[Path]:
-            replace_durable(root / LATEST, latest)
-            return list(trash_steps(root, doomed).values())
-
-        if self._part is None:
-            trash = await run_sync(partial(publish, root))
-        else:  # collective-free: every rank completing a step publishes, each from its own index
-            trash = await run_sync(partial(publish_newer, root, steps[-1], doomed))
+        # `latest` only moves forward: another writer of this root (a Checkpointer in another process,
+        # or every rank completing a collective-free step) may have committed a step newer than this
+        # index knows, and a save of an older one committing after it must not name its own.
+        collective_free = self._part is not None
+        trash = await run_sync(partial(publish_newer, root, steps[-1], doomed, locked=collective_free))
         self._steps = [s for s in self._steps if s not in doomed]
         if trash:
             await self._remove_later(trash)
@@ -767,6 +781,8 @@ class Checkpointer:
     # --- Loading ----------------------------------------------------------------------------------------
 
     async def _resolve(self, step: int | None) -> int | None:
+        if step is not None:
+            _check_step(step)  # (True is no step 1, nor "1" step 1)
         await self.refresh()
         if step is None:
             return self.latest_step()
@@ -798,9 +814,11 @@ class Checkpointer:
             CorruptionError: Stored bytes fail verification (names the key and file).
             StateMismatchError: ``strict`` and the target differs; nothing was loaded.
             StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a
-                smaller world); names the key.
+                smaller world); names the key. Or ``state`` is not a mutable mapping (nothing was read).
+            CheckpointError: ``step`` is neither ``None`` nor an int of at least 0.
         """
         check_flags(strict=strict)
+        check_target(state)
 
         async def run(path: Location) -> None:
             await run_load(
@@ -886,14 +904,12 @@ class Checkpointer:
         # Every step of the last listing: a step is new when it is not among them. (Forgetting the steps
         # that retention removed keeps this as small as the root; a step of that number saved again
         # later, in a root made afresh say, is a new checkpoint and is yielded.)
-        known = set(await self.refresh())
+        # A root missing at the start (being made afresh) has no steps yet: all it will have are new.
+        known = set(await self._listing() or ())
         while True:
             await anyio.sleep(poll_interval)
-            try:
-                listed = await self.refresh()
-            except StorageError as exc:
-                if not isinstance(exc.__cause__, FileNotFoundError):
-                    raise
+            listed = await self._listing()
+            if listed is None:
                 continue  # the root is gone for now: keep what was known, so nothing is yielded twice
             fresh = [s for s in listed if s not in known]
             known = set(listed)
@@ -901,6 +917,19 @@ class Checkpointer:
                 fresh = fresh[-1:] if fresh and fresh[-1] == listed[-1] else []
             for s in fresh:
                 yield s
+
+    async def _listing(self) -> list[int] | None:
+        """The committed steps (see :meth:`refresh`); ``None`` while the root is missing.
+
+        Raises:
+            StorageError: ``root`` cannot be listed for another reason.
+        """
+        try:
+            return await self.refresh()
+        except StorageError as exc:
+            if not isinstance(exc.__cause__, FileNotFoundError):
+                raise
+            return None
 
     @insulated
     async def read(self, step: int | None = None) -> dict[Key, object]:
@@ -916,6 +945,7 @@ class Checkpointer:
             CorruptionError: Stored bytes fail verification (names the key and file).
             StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a
                 smaller world); names the key.
+            CheckpointError: ``step`` is neither ``None`` nor an int of at least 0.
         """
 
         async def run(path: Location) -> dict[Key, object]:
@@ -936,6 +966,7 @@ class Checkpointer:
         Raises:
             CheckpointNotFoundError: ``step`` is not committed, or there is no checkpoint at all.
             CorruptionError: The manifest's checksum does not match (names the file).
+            CheckpointError: ``step`` is neither ``None`` nor an int of at least 0.
         """
         done = await self._with_step(step, run_metadata)
         if done is None:

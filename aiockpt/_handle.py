@@ -135,6 +135,18 @@ class SaveMetrics:
         self.total_seconds = time.perf_counter() - self._t0
 
 
+class Interrupted(Exception):
+    """Carries a ``KeyboardInterrupt`` or ``SystemExit`` raised by a background save before it was staged.
+
+    The save runs in a task of its own; raised there, asyncio would stop the event loop with it. It is
+    raised instead in the task that started the save, as any failure before staging is.
+    """
+
+    def __init__(self, interrupt: BaseException) -> None:
+        super().__init__(repr(interrupt))
+        self.interrupt = interrupt
+
+
 class SaveHandle:
     """A save in flight. ``await handle`` returns its :class:`Metadata` once the checkpoint is durable.
 
@@ -181,6 +193,16 @@ class SaveHandle:
         self._cancelled = True
         if self._scope is not None:
             self._scope.cancel()
+
+    async def _abandoned(self) -> None:
+        """The call that started this save was cancelled as it returned: this handle never reached it.
+
+        The save is cancelled as by :meth:`cancel` (so it completes only where it is committing already)
+        and waited for: no save goes on that nobody can see or wait for, holding its in-flight slot (see
+        ``_insulate``).
+        """
+        self.cancel()
+        await self._done.wait()
 
     async def wait(self) -> Metadata:
         """Wait until the save ends; return its metadata or raise its failure (see the class docstring)."""
@@ -278,6 +300,13 @@ class SaveHandle:
                 if not started:
                     raise
                 return
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit (from a Stateful, say)
+                self._finish(SaveState.FAILED, error=exc)
+                if self._starting and not started:
+                    # Raised in this task, asyncio would stop the event loop with it: carried to the
+                    # task that started the save instead, and raised there (see _runner).
+                    raise Interrupted(exc) from None
+                raise
             self._finish(SaveState.COMMITTED, metadata=metadata)
         if scope.cancelled_caught and not started:
             raise CheckpointCancelledError(f"the save to {self.path} was cancelled while staging")

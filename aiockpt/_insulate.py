@@ -67,7 +67,9 @@ def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, 
 
     Its result or exception reaches the caller as it is (not in an exception group). A cancellation of
     the caller still propagates once ``fn`` has ended, also where ``fn`` completed meanwhile (a save that
-    committed, say), as it would with anyio cancellation.
+    committed, say), as it would with anyio cancellation. A result so lost that has an ``_abandoned()``
+    coroutine method is told, and awaited (a :class:`~aiockpt.SaveHandle` of a background save cancels
+    that save and waits for it to end).
     """
 
     @functools.wraps(fn)
@@ -96,6 +98,17 @@ def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, 
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(body)
+        except BaseException:
+            # The caller was cancelled (or interrupted) after ``fn`` returned: the result never reaches
+            # it. What it started must not go on unseen (a background save would still commit, and hold
+            # its in-flight slot meanwhile), and is ended before the caller's cancellation goes on, as
+            # ``fn`` itself would have been.
+            for result in results:
+                abandoned = getattr(result, "_abandoned", None)
+                if abandoned is not None:
+                    with anyio.CancelScope(shield=True):
+                        await abandoned()
+            raise
         finally:
             if token is not None:
                 _caller.reset(token)

@@ -55,6 +55,24 @@ def check_timeout(collective_timeout: object) -> None:
         )
 
 
+def _is_int(value: object) -> bool:
+    """Whether ``value`` is an int (a bool is not one here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def io_config(io: object) -> IOConfig:
+    """``io`` as given to a public call: an :class:`IOConfig`, or the default one for ``None``.
+
+    Raises:
+        CheckpointError: ``io`` is neither (a dict of settings, say).
+    """
+    if io is None:
+        return IOConfig()
+    if not isinstance(io, IOConfig):
+        raise CheckpointError(f"io must be an aiockpt.IOConfig or None, not {type(io).__name__} {io!r}")
+    return io
+
+
 @dataclass(frozen=True, kw_only=True)
 class IOConfig:
     """How checkpoint I/O is carried out.
@@ -181,19 +199,30 @@ class IOConfig:
     worker_nice: int = 10
 
     def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise CheckpointError(f"IOConfig.threads must be at least 1, not {self.threads}")
-        if self.switch_interval is not None and not self.switch_interval > 0:
+        # Types are checked too: values often come from a config file, where "false" is a truthy str and
+        # 10.0 a float that a worker thread's os.nice() refuses.
+        for name in ("pause_gc", "direct_writes", "checkers", "map_reads"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointError(f"IOConfig.{name} must be a bool, not {getattr(self, name)!r}")
+        for name in ("direct_reads", "drop_behind"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise CheckpointError(f"IOConfig.{name} must be a bool or None, not {getattr(self, name)!r}")
+        threads = self.threads
+        if threads is not None and not (_is_int(threads) and threads >= 1):
+            raise CheckpointError(f"IOConfig.threads must be an int of at least 1 or None, not {threads!r}")
+        interval = self.switch_interval
+        if interval is not None and not (
+            isinstance(interval, int | float) and not isinstance(interval, bool) and 0 < interval < math.inf
+        ):
             raise CheckpointError(
-                f"IOConfig.switch_interval must be a positive number of seconds or None, "
-                f"not {self.switch_interval}"
+                f"IOConfig.switch_interval must be a positive number of seconds or None, not {interval!r}"
             )
-        if not 0 <= self.worker_nice <= 19:
-            raise CheckpointError(f"IOConfig.worker_nice must be between 0 and 19, not {self.worker_nice}")
-        if self.checksum_block < 4096 or self.checksum_block % 4096:
-            raise CheckpointError(
-                f"IOConfig.checksum_block must be a positive multiple of 4096, not {self.checksum_block}"
-            )
+        nice = self.worker_nice
+        if not (_is_int(nice) and 0 <= nice <= 19):
+            raise CheckpointError(f"IOConfig.worker_nice must be an int from 0 to 19, not {nice!r}")
+        block = self.checksum_block
+        if not (_is_int(block) and block >= 4096 and not block % 4096):
+            raise CheckpointError(f"IOConfig.checksum_block must be a multiple of 4096 (> 0), not {block!r}")
 
     @property
     def thread_count(self) -> int:

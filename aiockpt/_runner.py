@@ -18,7 +18,7 @@ import anyio
 import anyio.abc
 
 from ._errors import CheckpointError
-from ._handle import Metadata, SaveHandle, SaveState
+from ._handle import Interrupted, Metadata, SaveHandle, SaveState
 
 
 class _Runner:
@@ -59,16 +59,22 @@ async def start_background(
     """Run ``body`` as ``handle``'s save in the background; return once it is staged.
 
     Raises:
-        Exception: Whatever the save raised before it was staged.
+        BaseException: Whatever the save raised before it was staged (``KeyboardInterrupt`` and
+            ``SystemExit`` included).
     """
     runner = await _runner()
     assert runner.tg is not None
     handle._background = True
     handle._starting = True
+    interrupt: BaseException | None = None
     try:
         result: SaveHandle = await runner.tg.start(handle._drive, body)
+    except Interrupted as carried:
+        interrupt = carried.interrupt
     finally:
         handle._starting = False
+    if interrupt is not None:
+        raise interrupt  # (outside the except clause: no context from the carrier)
     return result
 
 

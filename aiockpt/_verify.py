@@ -27,7 +27,7 @@ from ._insulate import insulated
 from ._load import exists, read_manifest
 from ._load._direct import DirectReads, copy_checked, reads_direct, split_direct
 from ._load._read import chunk_error, read_checked
-from ._options import IOConfig
+from ._options import IOConfig, io_config
 from ._pagecache import drop_behind, resident, sweep
 from ._runs import MAX_GAP, Piece, Run, group, lanes
 from ._storage import local
@@ -239,7 +239,7 @@ async def verify(
         StorageError: A data file exists but cannot be opened.
     """
     directory = local(path, "verify")
-    io = io or IOConfig()
+    io = io_config(io)
     with responsive(io):
         report = await _verify(directory, io, progress)
     if not report.ok and not await exists(directory):

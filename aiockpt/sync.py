@@ -130,10 +130,12 @@ def _until_done(
             message is ``closed``.
     """
     ended = threading.Event()
+    returned: list[T] = []
 
     async def run() -> T:
         try:
-            return await call()
+            returned.append(await call())
+            return returned[0]
         finally:
             ended.set()
 
@@ -149,6 +151,13 @@ def _until_done(
             # Bounded by the thread: a task that never started sets nothing, but ends with the loop.
             while not ended.wait(0.05) and thread.is_alive():
                 pass
+        # Interrupted as ``call`` returned: its result never reaches the caller. A background save's
+        # handle is so ended, as in an insulated call (see ``_insulate``).
+        for result in returned:
+            abandoned = getattr(result, "_abandoned", None)
+            if abandoned is not None:
+                with contextlib.suppress(RuntimeError):  # anyio: the portal has stopped meanwhile
+                    portal.call(abandoned)
         raise
 
 

@@ -184,6 +184,20 @@ async def test_keep_every_keeps_milestones(root: Path) -> None:
         assert ckpt.steps() == [3, 6, 7]
 
 
+async def test_latest_never_moves_back_to_an_older_step_of_another_writer(root: Path) -> None:
+    """Two writers of one root (two processes, say): one whose index is stale used to point ``latest``
+    back at its own older step, though the other had committed a newer one."""
+    async with Checkpointer(root) as a, Checkpointer(root) as b:
+        await a.save(state_for(1), step=1)
+        await b.save(state_for(10), step=10)
+        await a.save(state_for(2), step=2)  # a's index: [1, 2]
+        assert read_text(root / "latest").strip() == step_dir(10)
+        shutil.rmtree(root / step_dir(10))  # removed by hand: `latest` names no checkpoint now
+        await a.save(state_for(3), step=3)
+        assert read_text(root / "latest").strip() == step_dir(3)
+    assert listdir(root) == ["latest", step_dir(1), step_dir(2), step_dir(3)]  # (no lock file)
+
+
 async def test_leftover_temp_dir_is_collected_on_open(root: Path) -> None:
     async with Checkpointer(root) as ckpt:
         await ckpt.save(state_for(1), step=1)
@@ -422,6 +436,44 @@ async def test_concurrent_first_calls_open_once_and_share_the_in_flight_limit(
     finally:
         held_commits.set()
         await ckpt.aclose()
+
+
+class _Interrupts:
+    """A Stateful whose ``state_dict()`` raises ``exc`` (``SystemExit``: a ``sys.exit()`` in user code)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def state_dict(self) -> dict[str, object]:
+        raise self.exc
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.parametrize("exc", [SystemExit("bye"), KeyboardInterrupt()])
+async def test_an_interrupt_raised_by_the_state_reaches_the_caller_and_gives_its_slot_back_once(
+    root: Path, held_commits: anyio.Event, async_op: bool, exc: BaseException
+) -> None:
+    """The slot used to be given back twice (max_inflight stopped holding), and with ``async_op=True``
+    the caller got ``CancelledError`` while the interrupt tore down every other background save."""
+    async with Checkpointer(root, max_inflight=2, on_busy="error") as ckpt:
+        other = await ckpt.save(big_state(1), step=1, async_op=True)  # held before its commit
+        bad = {"bad": _Interrupts(exc)}
+        call = ckpt.save(bad, step=2, async_op=True) if async_op else ckpt.save(bad, step=2)
+        with pytest.raises(type(exc)):
+            await call
+        assert ckpt._slots is not None
+        assert ckpt._slots.value == 1  # the other save's slot is still taken
+        await ckpt.save(big_state(3), step=3, async_op=True)  # ... and this one takes the last
+        with pytest.raises(BusyError):
+            await ckpt.save(big_state(4), step=4, async_op=True)
+        held_commits.set()
+        assert (await other).step == 1
+        await ckpt.wait()
+        assert ckpt.steps() == [1, 3]
+        assert ckpt._slots.value == 2
 
 
 async def test_a_step_waiting_for_a_slot_is_in_flight_already(root: Path, held_commits: anyio.Event) -> None:

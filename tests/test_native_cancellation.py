@@ -23,6 +23,7 @@ import torch
 
 import aiockpt
 import aiockpt._save
+import aiockpt._save._write
 from aiockpt import Checkpointer, SaveState
 
 _HOLD_S = 0.3
@@ -147,9 +148,8 @@ async def test_a_starter_cancelled_once_staged_gives_no_loop_end_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A cancellation that lands after the save reported "staged" but before its starter resumed: the
-    # starter raises, and the save was cancelled with it, which the RuntimeWarning meant for a loop
-    # that ends with a save in flight was said of. Now the starter's cancellation does not reach the
-    # save, which goes on (here: fails) in the Checkpointer's care.
+    # starter raises, and the save is cancelled with it (its handle never reached the caller), without
+    # the RuntimeWarning meant for a loop that ends with a save in flight.
     caller: list[asyncio.Task[object]] = []
 
     async def staged_then_caller_cancelled(
@@ -171,7 +171,7 @@ async def test_a_starter_cancelled_once_staged_gives_no_loop_end_warning(
             caller.append(asyncio.create_task(start()))
             with pytest.raises(asyncio.CancelledError):
                 await caller[0]
-            await ckpt.wait()
+            await ckpt.wait()  # (nothing left: the save ended before the caller's cancellation went on)
         assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
         monkeypatch.undo()
         await ckpt.save(_state(), step=1)  # its slot and step were given back
@@ -312,3 +312,98 @@ async def test_timeouts_around_async_saves_give_no_loop_end_warning(tmp_path: Pa
             await ckpt.wait()
     assert [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)] == []
     assert _leftovers(tmp_path / "root") == []
+
+
+class _WhenStaged:
+    """Calls what is put in ``calls`` as the next save reports "staged", then holds that save.
+
+    The save stays in its write phase, before its commit point, until cancelled (a small save could
+    otherwise commit before the cancellation reaches it, which it then rightly completes). :meth:`done`
+    lets the next saves write.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[Callable[[], object]] = []
+        self.hold = False
+        real, write = aiockpt.SaveMetrics.staged, aiockpt._save._write.write
+
+        def staged(metrics: aiockpt.SaveMetrics) -> None:
+            real(metrics)
+            while self.calls:
+                self.calls.pop()()
+                self.hold = True
+
+        async def held_write(*args: Any, **kwargs: Any) -> Any:
+            if self.hold:
+                await anyio.sleep_forever()
+            return await write(*args, **kwargs)
+
+        monkeypatch.setattr(aiockpt.SaveMetrics, "staged", staged)
+        monkeypatch.setattr("aiockpt._save.write", held_write)
+
+    def done(self) -> None:
+        self.hold = False
+
+
+@pytest.fixture
+def when_staged(monkeypatch: pytest.MonkeyPatch) -> _WhenStaged:
+    return _WhenStaged(monkeypatch)
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "anyio scope"])
+async def test_a_caller_cancelled_as_its_async_save_returns_cancels_the_save(
+    tmp_path: Path, when_staged: _WhenStaged, how: str
+) -> None:
+    # The cancellation reaches the caller after the save is staged and its handle made, before the call
+    # returned it: nobody can see or await that save. It used to go on, commit, and hold the in-flight
+    # slot meanwhile (a save right after raised BusyError).
+    root = tmp_path / "root"
+    async with Checkpointer(root, on_busy="error") as ckpt:
+        got: list[aiockpt.SaveHandle] = []
+
+        async def start() -> None:
+            got.append(await ckpt.save(_state(), step=1, async_op=True))
+
+        if how == "task.cancel":
+            task = asyncio.create_task(start())
+            when_staged.calls.append(task.cancel)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with anyio.CancelScope() as scope:
+                when_staged.calls.append(scope.cancel)
+                await start()
+            assert scope.cancelled_caught
+        when_staged.done()
+        assert got == []
+        # Ended before the cancellation went on: the slot and step are free at once.
+        assert ckpt._inflight == {}
+        await (await ckpt.save(_state(), step=2, async_op=True))
+        assert ckpt.steps() == [2]
+    assert _leftovers(root) == []
+
+
+def test_a_sync_caller_interrupted_as_its_async_save_returns_cancels_the_save(
+    tmp_path: Path, when_staged: _WhenStaged
+) -> None:
+    # Ctrl-C in the facade's caller as the save is staged: the caller gets KeyboardInterrupt and no
+    # handle, so the save must not commit behind its back.
+    root = tmp_path / "root"
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        import _thread
+
+        assert threading.get_ident() != main  # (on the facade's event-loop thread)
+        _thread.interrupt_main()
+
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        when_staged.calls.append(interrupt)
+        with pytest.raises(KeyboardInterrupt):  # (raised by the main thread's next bytecode)
+            ckpt.save(_state(), step=1, async_op=True)
+        when_staged.done()
+        ckpt.wait()
+        assert ckpt.steps() == []
+        ckpt.save(_state(), step=2)
+        assert ckpt.steps() == [2]
+    assert _leftovers(root) == []

@@ -41,11 +41,45 @@ def test_default_threads_leave_one_cpu_to_the_event_loop(
         ("checksum_block", lambda: IOConfig(checksum_block=0)),
         ("worker_nice", lambda: IOConfig(worker_nice=-1)),
         ("worker_nice", lambda: IOConfig(worker_nice=20)),
+        # Of the wrong type, as a config file gives them: a float nice value used to kill the save's
+        # worker threads (which then committed a checkpoint of unwritten blocks), a "false" to turn
+        # direct writes on.
+        ("worker_nice", lambda: IOConfig(worker_nice=10.0)),  # type: ignore[arg-type]
+        ("worker_nice", lambda: IOConfig(worker_nice=True)),
+        ("threads", lambda: IOConfig(threads="4")),  # type: ignore[arg-type]
+        ("threads", lambda: IOConfig(threads=2.0)),  # type: ignore[arg-type]
+        ("checksum_block", lambda: IOConfig(checksum_block=4096.0)),  # type: ignore[arg-type]
+        ("switch_interval", lambda: IOConfig(switch_interval="0.001")),  # type: ignore[arg-type]
+        ("switch_interval", lambda: IOConfig(switch_interval=float("nan"))),
+        ("direct_writes", lambda: IOConfig(direct_writes="false")),  # type: ignore[arg-type]
+        ("pause_gc", lambda: IOConfig(pause_gc="no")),  # type: ignore[arg-type]
+        ("checkers", lambda: IOConfig(checkers=1)),  # type: ignore[arg-type]
+        ("map_reads", lambda: IOConfig(map_reads=None)),  # type: ignore[arg-type]
+        ("direct_reads", lambda: IOConfig(direct_reads="auto")),  # type: ignore[arg-type]
+        ("drop_behind", lambda: IOConfig(drop_behind=0)),  # type: ignore[arg-type]
     ],
 )
 def test_invalid_settings_are_refused_by_name(name: str, make: Callable[[], IOConfig]) -> None:
     with pytest.raises(CheckpointError, match=f"IOConfig.{name}"):
         make()
+
+
+async def test_an_io_that_is_not_an_ioconfig_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    state = {"w": torch.ones(4)}
+    bad: object = {"threads": 2}
+    with pytest.raises(CheckpointError, match=r"io must be an aiockpt\.IOConfig or None, not dict"):
+        await aiockpt.save(state, tmp_path / "ckpt", io=bad)  # type: ignore[call-overload]
+    assert not (tmp_path / "ckpt").exists()
+    await aiockpt.save(state, tmp_path / "ckpt")
+    for call in (
+        lambda: aiockpt.load(state, tmp_path / "ckpt", io=bad),  # type: ignore[arg-type]
+        lambda: aiockpt.read(tmp_path / "ckpt", io=bad),  # type: ignore[arg-type]
+        lambda: aiockpt.verify(tmp_path / "ckpt", io=bad),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(CheckpointError, match="io must be"):
+            await call()
+    with pytest.raises(CheckpointError, match="io must be"):
+        aiockpt.Checkpointer(tmp_path / "root", io=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("threads", [1, 2, 4])

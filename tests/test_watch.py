@@ -110,6 +110,21 @@ async def test_watch_outlives_its_root_being_removed_and_made_again(root: Path) 
         assert_tree_equal(target, filled(1))
 
 
+async def test_a_watch_begun_while_the_root_is_missing_waits_for_it(root: Path) -> None:
+    """A watch (re)started while the learner makes the root afresh used to raise ``StorageError`` at its
+    first listing, though a root missing at any later poll is waited out."""
+    async with Checkpointer(root) as watcher:
+        shutil.rmtree(root)
+        async with contextlib.aclosing(watcher.watch(poll_interval=0.02)) as steps:
+            pending = await started(steps)
+            await anyio.sleep(0.2)  # polls that find no root
+            assert not pending.done()
+            async with Checkpointer(root) as writer:
+                await writer.save(filled(3), step=3)
+            with anyio.fail_after(10):
+                assert await pending == 3
+
+
 async def test_watch_still_fails_on_a_root_that_cannot_be_listed(root: Path) -> None:
     async with (
         Checkpointer(root) as watcher,

@@ -30,7 +30,7 @@ from .._insulate import warn_at_caller
 from .._options import IOConfig
 from .._storage import Location, S3Path
 from .._threads import release, responsive, run_sync
-from .._tree import render
+from .._tree import render, type_name
 from ._manifest import decode_summary, is_checkpoint, published_parts, read_manifest, read_summary
 from ._mapped import Mapper
 from ._match import LoadPlan, match
@@ -175,6 +175,22 @@ def assign(plan: LoadPlan) -> None:
     """Put the entries the template lacked (built from the checkpoint) into their containers."""
     for container, key, value in plan.assign:
         container[key] = value
+
+
+def check_target(state: object) -> None:
+    """Refuse a load target that is not a mutable mapping, before anything is read.
+
+    A load fills its target in place, key by key: given ``None`` it would read the whole checkpoint for
+    nothing, and given a module every key would count as unexpected.
+
+    Raises:
+        StateError: ``state`` is not a mutable mapping (names its type).
+    """
+    if not isinstance(state, MutableMapping):
+        raise StateError(
+            f"a load fills a mutable mapping in place (a dict of the state), not {type_name(state)}: wrap "
+            "a module or optimizer as {'model': model}, or use read() for a fresh copy"
+        )
 
 
 async def run_load(
