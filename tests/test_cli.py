@@ -17,6 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import crc32c
 import msgspec
 import pytest
 import torch
@@ -348,7 +349,10 @@ def test_user_errors_are_one_line_and_exit_2(ckpt_path: Path, tmp_path: Path) ->
     newer = tmp_path / "newer"
     shutil.copytree(ckpt_path, newer)
     env = ENVELOPE_DECODER.decode((newer / MANIFEST_NAME).read_bytes())
-    (newer / MANIFEST_NAME).write_bytes(ENCODER.encode(msgspec.structs.replace(env, format_version=99)))
+    # A newer manifest's body says its version too (the envelope alone saying so is damage).
+    body = ENCODER.encode({**msgspec.msgpack.decode(env.body), "format_version": 99})
+    newer_env = msgspec.structs.replace(env, format_version=99, body=body, body_crc32c=crc32c.crc32c(body))
+    (newer / MANIFEST_NAME).write_bytes(ENCODER.encode(newer_env))
     (ckpt_path / MANIFEST_NAME).unlink()
 
     no_manifest, missing, bad_flag, newer_format = cli_many(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import crc32c
 import msgspec
 import pytest
 import torch
@@ -173,7 +174,11 @@ async def test_a_newer_format_is_refused(ckpt_path: Path) -> None:
     await aiockpt.save(_state(), ckpt_path)
     manifest_file = ckpt_path / MANIFEST_NAME
     env = ENVELOPE_DECODER.decode(manifest_file.read_bytes())
-    newer = msgspec.structs.replace(env, format_version=aiockpt.FORMAT_VERSION + 1)
+    # A newer manifest's body says its version too (the envelope alone saying so is damage).
+    body = ENCODER.encode({**msgspec.msgpack.decode(env.body), "format_version": aiockpt.FORMAT_VERSION + 1})
+    newer = msgspec.structs.replace(
+        env, format_version=aiockpt.FORMAT_VERSION + 1, body=body, body_crc32c=crc32c.crc32c(body)
+    )
     manifest_file.write_bytes(ENCODER.encode(newer))
     with pytest.raises(aiockpt.FormatError, match="upgrade aiockpt"):
         await aiockpt.verify(ckpt_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TypedDict
 
@@ -316,7 +316,8 @@ def _keyed(key: str, rank: int | None) -> str:
     return key if rank is None else f"{key} (rank {rank})"
 
 
-def _render(doc: InspectDoc) -> None:
+def _render(doc: InspectDoc, metadata: Mapping[str, object]) -> None:
+    """Print ``doc`` as text; ``metadata`` is the manifest's own (``doc`` holds NaN as the string ``nan``)."""
     out = stdout()
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
@@ -330,7 +331,7 @@ def _render(doc: InspectDoc) -> None:
     head.add_row("created", f"{local_time(doc['created_at'])} ({doc['created']})")
     head.add_row("library version", doc["library_version"] or "-")
     head.add_row("checksums", f"{doc['checksum_algorithm']} per {human_bytes(doc['checksum_block'])} block")
-    for key, value in doc["user_metadata"].items():
+    for key, value in metadata.items():  # (a float nan shows as nan, the string "nan" as 'nan')
         head.add_row("metadata", Text(f"{key} = {value!r}"))
     for f in doc["files"]:
         head.add_row("file", Text(f"{f['name']}  {human_bytes(f['nbytes'])}"))
@@ -401,4 +402,4 @@ def command(path: str, step: int | None, as_json: bool) -> None:
     if as_json:
         print_json(doc)
     else:
-        _render(doc)
+        _render(doc, manifest.user_metadata)

@@ -148,7 +148,8 @@ def list_root(root: Path) -> tuple[list[StepRow], list[OtherRow], str | None]:
             if (other := _other_row(entry)) is not None:
                 others.append(other)
         elif entry.name == LATEST and entry.is_file():
-            latest = entry.read_text().strip() or None
+            # (as ``latest_of`` reads it: a garbled pointer is shown, and names no step, never a crash)
+            latest = entry.read_text(errors="replace").strip() or None
     steps.sort(key=lambda r: r.step)
     for row in steps:
         row.latest = row.name == latest

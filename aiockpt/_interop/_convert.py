@@ -33,14 +33,14 @@ from .._insulate import insulated
 from .._load import run_metadata
 from .._load._ranks import checked_rank
 from .._memory import StagingPool, byte_view, nbytes_of
-from .._options import IOConfig, check_flags
+from .._options import IOConfig, check_flags, io_config
 from .._save import SaveRequest, discard_tmp, open_tmp, run_save
 from .._storage import S3Path, local, resolve
 from .._threads import acquire_sync, run_sync
 from .._tree import dtype_name, render
 from .._world import LocalWorld
 from . import detect
-from ._names import is_leaf, join
+from ._names import is_leaf, join, restore_optimizer_ids
 from ._safetensors import INDEX_NAME, NAMES, SINGLE_NAME, SUFFIX
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "Target", "convert", "named_tensors"]
@@ -288,6 +288,27 @@ def write_dcp(directory: Path, tree: Mapping[Key, object]) -> None:
     fsync_dir(directory)
 
 
+def _not_a_directory(target: Path) -> StorageError | None:
+    """The error for a ``target`` that cannot be created because an ancestor is not a directory. Blocking.
+
+    ``None`` where the nearest ancestor of ``target`` that exists is a directory (or none exists). The
+    error names that ancestor: ``mkdir`` would report it as ``FileExistsError`` of a path that does not
+    exist (``dst``'s parent), and the caller would take it for ``dst`` itself.
+    """
+    for ancestor in target.parents:
+        if os.path.lexists(ancestor):
+            if ancestor.is_dir():
+                return None
+            return StorageError(f"cannot write {target}: {ancestor} is not a directory", path=str(ancestor))
+    return None
+
+
+async def _is_dcp(src: str | os.PathLike[str]) -> bool:
+    """Whether ``src`` is a DCP directory (as :func:`aiockpt.read` tells it)."""
+    location = resolve(src)
+    return not isinstance(location, S3Path) and await run_sync(lambda: detect(location)) == "dcp"
+
+
 async def _check_rank(src: str | os.PathLike[str], rank: int, *, given: bool) -> None:
     """Refuse ``rank`` where the aiockpt checkpoint ``src`` was saved by fewer ranks.
 
@@ -365,7 +386,8 @@ async def convert(
             objects without ``allow_pickle``, objects the target's writer refuses, two keys that join to
             one name for safetensors or DCP); the message names the keys where known.
         FormatError: The source is unreadable.
-        StorageError: Writing failed; nothing is left at ``dst``.
+        StorageError: Writing failed, or an ancestor of ``dst`` is a file, not a directory (names it);
+            nothing is left at ``dst``.
         CheckpointError: ``to`` or ``max_shard_size`` is invalid (as for every other bad argument), or
             ``rank`` is not a rank of the world that saved an aiockpt ``src`` (names the rank and the
             world's size).
@@ -378,10 +400,12 @@ async def convert(
     if max_shard_size <= 0:
         raise CheckpointError(f"max_shard_size must be positive, not {max_shard_size}")
     chosen = checked_rank(rank)
-    io = io or IOConfig()
+    io = io_config(io)
     target = local(dst, "convert")
     if await run_sync(lambda: os.path.lexists(target)):
         raise CheckpointExistsError(f"{target} already exists; convert never overwrites")
+    if (blocked := await run_sync(lambda: _not_a_directory(target))) is not None:
+        raise blocked  # (before the source is read: no writer could create dst)
     if chosen > 0:  # (rank 0 saved every checkpoint)
         await _check_rank(src, chosen, given=rank is not None)
     # torch.save writes a tensor's whole storage, and DCP clones a tensor whose storage is larger than it:
@@ -390,6 +414,9 @@ async def convert(
     tree = await read(
         src, allow_pickle=allow_pickle, io=io if mapped else replace(io, map_reads=False), rank=chosen
     )
+    if await _is_dcp(src):
+        # What a load straight from the DCP directory gives an optimizer (see ``restore_optimizer_ids``).
+        restore_optimizer_ids(tree)
     items = named_tensors(tree, drop_non_tensors=drop_non_tensors) if to == "safetensors" else []
     if to == "dcp":
         check_dcp_names(tree)
@@ -439,7 +466,11 @@ async def convert(
         fsync_dir(target.parent)
 
     def make_tmp() -> tuple[Path, OwnerLock]:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            # An ancestor became a file since the check in ``convert``: not ``dst`` existing.
+            raise (_not_a_directory(target) or exc) from exc
         return open_tmp(target)
 
     try:

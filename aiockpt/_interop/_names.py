@@ -107,6 +107,65 @@ def tree_of(entries: Mapping[str, Node], paths: Mapping[str, KeyPath] | None) ->
     return _freeze_nested(root)
 
 
+def _param_ids(groups: object) -> set[int] | None:
+    """The parameter ids an optimizer state dict's ``param_groups`` list, or ``None`` if it is none."""
+    if not isinstance(groups, (list, tuple)) or not groups:
+        return None
+    ids: set[int] = set()
+    for group in groups:
+        params = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(params, (list, tuple)):
+            return None
+        for pid in params:
+            if type(pid) is not int or pid in ids:
+                return None
+            ids.add(pid)
+    return ids
+
+
+def _digits(key: object) -> int | None:
+    """``int(key)`` for a key that ``str`` of an int made (``"7"``; not ``"07"``, ``"+7"``, non-ASCII)."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key:
+        return int(key)
+    return None
+
+
+def restore_optimizer_ids(tree: dict[Key, object]) -> int:
+    """Give the per-parameter state of every optimizer state dict in ``tree`` its int keys back, in place.
+
+    DCP stores every mapping key as ``str(key)`` and records no more of it, so a DCP checkpoint read on
+    its own (:func:`aiockpt.read`) has ``{"state": {"0": ...}, "param_groups": [{"params": [0, ...]}]}``
+    where the optimizer saved ``{"state": {0: ...}, ...}``: handed to ``Optimizer.load_state_dict``,
+    such state is kept under the str keys, of no parameter, and the optimizer starts afresh. The ints
+    are restored only where that is what the optimizer saved beyond doubt: a mapping with ``"state"``
+    and ``"param_groups"``, whose groups' ``params`` are distinct ints, and every key of whose
+    ``"state"`` is the decimal string of one of them. Anything else is left as it is (an optimizer state
+    dict keyed by parameter name, as ``get_state_dict`` makes, has no such keys).
+
+    Returns:
+        How many optimizer state dicts were changed.
+    """
+    changed = 0
+
+    def walk(obj: object) -> None:
+        nonlocal changed
+        if isinstance(obj, dict):
+            state, ids = obj.get("state"), _param_ids(obj.get("param_groups"))
+            if isinstance(state, dict) and state and ids is not None:
+                ints = [i for i in map(_digits, state) if i is not None and i in ids]
+                if len(ints) == len(state):  # (distinct: decimal strings of distinct ints)
+                    obj["state"] = dict(zip(ints, state.values(), strict=True))
+                    changed += 1
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(tree)
+    return changed
+
+
 @dataclass
 class _Container:
     depth: int

@@ -60,6 +60,8 @@ DTYPES = {
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
 }
 NAMES = {v: k for k, v in DTYPES.items()}
+# The format's other dtypes (safetensors 0.6): valid in a header, but of no tensor torch reads here.
+_UNREAD = frozenset({"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0"})
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -101,21 +103,33 @@ def _entry(
 ) -> tuple[str, tuple[int, ...], int, int]:
     """Validate one header entry: ``(torch dtype name, shape, file offset, nbytes)``."""
     if not isinstance(info, dict):
-        raise CorruptionError(f"{file}: the header entry of {name!r} is not an object", file=str(file))
+        raise CorruptionError(
+            f"{file}: the header entry of {name!r} is not an object", file=str(file), key=name
+        )
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise FormatError(
-            f"{file}: {name!r} has dtype {dtype!r}, which aiockpt does not read", file=str(file)
+        if isinstance(dtype, str) and dtype in _UNREAD:
+            # A dtype of the format this torch has no tensors of: not damage. (FormatError has no key.)
+            raise FormatError(
+                f"{file}: {name!r} has dtype {dtype!r}, which aiockpt does not read", file=str(file)
+            )
+        raise CorruptionError(
+            f"{file} has a damaged safetensors header: {name!r} has dtype {dtype!r}, which is none of "
+            "the format's",
+            file=str(file),
+            key=name,
         )
     if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise CorruptionError(f"{file}: {name!r} has an invalid shape {shape!r}", file=str(file))
+        raise CorruptionError(f"{file}: {name!r} has an invalid shape {shape!r}", file=str(file), key=name)
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(isinstance(o, int) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise CorruptionError(f"{file}: {name!r} has invalid data offsets {offsets!r}", file=str(file))
+        raise CorruptionError(
+            f"{file}: {name!r} has invalid data offsets {offsets!r}", file=str(file), key=name
+        )
     nbytes = offsets[1] - offsets[0]
     torch_dtype = DTYPES[dtype]
     if nbytes != math.prod(shape) * dtype_from_name(torch_dtype).itemsize:

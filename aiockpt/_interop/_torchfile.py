@@ -65,6 +65,8 @@ def load_file(path: Path, *, allow_pickle: bool, compressed: bool = False) -> ob
 
     Raises:
         StateError: The file holds objects ``weights_only`` refuses and ``allow_pickle`` is false.
+        CorruptionError: The file starts like a ``torch.save`` file but its archive is broken (truncated,
+            say) or its legacy pickle ends early; names the file.
         FormatError: The file is not a ``torch.save`` file.
         StorageError: It cannot be read.
     """
@@ -80,13 +82,59 @@ def load_file(path: Path, *, allow_pickle: bool, compressed: bool = False) -> ob
             # The legacy (pre-zip) serialization cannot be memory-mapped.
             return torch.load(path, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
+        if (damage := _damaged(path, exc)) is not None:
+            raise damage from exc
         if allow_pickle:
             raise FormatError(f"{path} is not a readable torch.save file: {exc}", file=str(path)) from exc
         raise _refused(path, str(exc)) from exc
     except OSError as exc:
+        # torch's zip reader fails on a truncated archive with an OSError (EINVAL, from a seek past its
+        # end): damage, told from a read the system refused by zipfile's view of the same file.
+        if (damage := _damaged(path, exc)) is not None:
+            raise damage from exc
         raise StorageError(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
     except Exception as exc:
+        if (damage := _damaged(path, exc)) is not None:
+            raise damage from exc
         raise FormatError(f"{path} is not a readable torch.save file: {exc}", file=str(path)) from exc
+
+
+# What torch.load says of a zip archive it cannot parse, and of a legacy pickle that ends early.
+_BAD_ZIP = "failed reading zip archive"
+_EOF = "unexpected EOF"
+
+
+def _damaged(path: Path, exc: BaseException) -> CorruptionError | None:
+    """The error for a file ``torch.load`` failed on with ``exc`` where the file itself is broken. Blocking.
+
+    The file was taken for a ``torch.save`` file by how it starts (``is_torch_file``): a zip archive whose
+    structure zipfile cannot read (its central directory cut off, say) or that torch's reader calls
+    broken, or a legacy pickle that ends early, is such a file damaged, not some other kind of file.
+    ``None`` where the failure is another (a refused global, a read error the system reports).
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_LEGACY_MAGIC))
+    except OSError:
+        return None
+    text = str(exc)
+    if head.startswith(_ZIP_MAGIC):
+        try:
+            with zipfile.ZipFile(path):
+                pass
+        except zipfile.BadZipFile as bad:
+            why = f"is not a valid zip archive (truncated?): {bad}"
+        except OSError:
+            return None
+        else:
+            if _BAD_ZIP not in text:
+                return None
+            why = f"torch cannot read its zip archive: {text.split('. ', 1)[0]}"  # (advice follows)
+    elif head == _LEGACY_MAGIC and (isinstance(exc, EOFError) or _EOF in text):
+        why = "its pickle ends early (truncated?)"
+    else:
+        return None
+    return CorruptionError(f"{path} is damaged: it starts as a torch.save file, but {why}", file=str(path))
 
 
 # torch.load(weights_only=True) wraps its unpickler's one-line reason in paragraphs of advice, some in ANSI

@@ -81,23 +81,53 @@ def decode_manifest(raw: bytes, file: str) -> Manifest:
 
 
 def _decode(raw: bytes, file: str) -> tuple[Manifest, int]:
-    """:func:`decode_manifest`, also returning the checksum of the manifest's body."""
+    """:func:`decode_manifest`, also returning the checksum of the manifest's body.
+
+    Damage is told from the rest by the body's checksum, which covers the body but not the envelope's
+    other fields (magic, format version, the checksum itself). Bytes that are not an envelope, or whose
+    checksum does not match, are damage (:class:`CorruptionError`), whichever field was hit, but for an
+    envelope of a newer format version (a later format may checksum otherwise: :class:`FormatError`,
+    which says both); so is an envelope whose body's checksum matches but whose magic or version is one
+    no writer writes (the unprotected header was hit). Only a manifest whose checksum matches is judged
+    by its contents: a newer format version, or contents no save writes, are a :class:`FormatError`,
+    which no copy of the same bytes would cure.
+    """
     try:
         env = ENVELOPE_DECODER.decode(raw)
     except (msgspec.DecodeError, ValueError) as exc:  # invalid UTF-8 surfaces as UnicodeDecodeError
         raise CorruptionError(f"{file} is damaged or not an aiockpt manifest: {exc}", file=file) from exc
+    if crc32c.crc32c(env.body) != env.body_crc32c:
+        if env.magic == MAGIC and env.format_version > FORMAT_VERSION:
+            # A later format may checksum otherwise: this release cannot tell damage from a newer writer.
+            raise FormatError(
+                f"{file} has format version {env.format_version}; this aiockpt reads up to {FORMAT_VERSION} "
+                "(upgrade aiockpt; if no newer aiockpt wrote it, it is damaged: its checksum does not match)",
+                file=file,
+            )
+        what = (
+            "damaged" if env.magic == MAGIC else f"damaged or not an aiockpt manifest (magic {env.magic!r})"
+        )
+        raise CorruptionError(f"{file} is {what}: its checksum does not match", file=file)
     if env.magic != MAGIC:
-        raise FormatError(f"{file} is not an aiockpt manifest (magic {env.magic!r})", file=file)
+        raise CorruptionError(
+            f"{file} is damaged or not an aiockpt manifest: its magic is {env.magic!r}, not {MAGIC!r} "
+            "(its body's checksum matches)",
+            file=file,
+        )
     if env.format_version < 1:
-        raise FormatError(f"{file} has an invalid format version {env.format_version}", file=file)
+        raise CorruptionError(f"{file} is damaged: invalid format version {env.format_version}", file=file)
     if env.format_version > FORMAT_VERSION:
+        inner = _body_version(env.body)
+        if inner is not None and inner != env.format_version:
+            raise CorruptionError(
+                f"{file} is damaged: envelope says format version {env.format_version}, the manifest {inner}",
+                file=file,
+            )
         raise FormatError(
             f"{file} has format version {env.format_version}; this aiockpt reads up to {FORMAT_VERSION}: "
             "upgrade aiockpt",
             file=file,
         )
-    if crc32c.crc32c(env.body) != env.body_crc32c:
-        raise CorruptionError(f"{file} is damaged: its checksum does not match", file=file)
     try:
         with paused():
             manifest = decode_body(env.body, env.format_version)
@@ -116,6 +146,23 @@ def _decode(raw: bytes, file: str) -> tuple[Manifest, int]:
         )
     check_manifest(manifest, file)
     return manifest, env.body_crc32c
+
+
+class _BodyVersion(msgspec.Struct, frozen=True, gc=False):
+    """The one field of a manifest's body that every version has (the others are skipped)."""
+
+    format_version: int
+
+
+_BODY_VERSION_DECODER = msgspec.msgpack.Decoder(_BodyVersion)
+
+
+def _body_version(body: memoryview) -> int | None:
+    """The format version the body of a manifest names, or ``None`` where it cannot be read as one."""
+    try:
+        return _BODY_VERSION_DECODER.decode(body).format_version
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None
 
 
 # The latest time ``created_at`` may hold (year 10000): later ones have no calendar date to show.

@@ -1,0 +1,238 @@
+"""Foreign formats: DCP optimizer state through ``convert``, damaged ``torch.save`` files, header keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import aiockpt
+from aiockpt._interop._names import restore_optimizer_ids
+
+# --- DCP optimizer state survives convert --------------------------------------------------------------
+
+
+def _model() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Sequential, torch.optim.AdamW]:
+    torch.manual_seed(seed)
+    model = _model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+    return model, optim
+
+
+def _dcp_save(state: dict[str, object], path: Path) -> None:
+    from torch.distributed.checkpoint import state_dict_saver as dcp
+
+    with warnings.catch_warnings():  # dcp.save warns that it saves in a single process: the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def _step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    optim.zero_grad()
+    model(torch.arange(12.0).reshape(3, 4) / 10).sum().backward()
+    optim.step()
+
+
+def _assert_resumed(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    ref: torch.nn.Module,
+    ref_optim: torch.optim.Optimizer,
+) -> None:
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    assert all(p in optim.state for p in params), "the optimizer state is not keyed by its parameters"
+    assert list(optim.state_dict()["state"]) == list(range(len(params)))
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p, q)
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim.state[p][name], ref_optim.state[q][name]), name
+    # One more step on both: bit-identical (a fresh optimizer state would step differently).
+    _step(model, optim)
+    _step(ref, ref_optim)
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(("to", "name"), [("aiockpt", "converted"), ("torch", "converted.pt")])
+async def test_dcp_optimizer_state_converted_loads_into_a_fresh_optimizer(
+    tmp_path: Path, to: str, name: str
+) -> None:
+    model, optim = _trained()
+    _dcp_save({"model": model.state_dict(), "optim": optim.state_dict(), "step": 7}, tmp_path / "dcp")
+    dst = tmp_path / name
+    await aiockpt.convert(tmp_path / "dcp", dst, to=to)  # type: ignore[arg-type]
+
+    tree = await aiockpt.read(dst)
+    optim_tree = tree["optim"]
+    assert isinstance(optim_tree, dict)
+    assert list(optim_tree["state"]) == [0, 1, 2, 3]  # as the optimizer saved them, not DCP's "0", "1"...
+    assert optim_tree["param_groups"][0]["params"] == [0, 1, 2, 3]
+
+    fresh = _model()
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)  # never stepped: no state yet
+    state: dict[str, object] = {"model": fresh, "optim": fresh_optim, "step": 0}
+    await aiockpt.load(state, dst)  # strict
+    assert state["step"] == 7
+    _assert_resumed(fresh, fresh_optim, model, optim)
+
+
+async def test_str_keyed_optimizer_state_loads_keyed_by_parameters(tmp_path: Path) -> None:
+    """A tree that kept DCP's str keys (``dcp_to_torch_save``, earlier conversions) loads by parameter."""
+    model, optim = _trained()
+    _dcp_save({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_path / "dcp")
+    tree = await aiockpt.read(tmp_path / "dcp")  # str keys, as documented
+    assert list(tree["optim"]["state"]) == ["0", "1", "2", "3"]  # type: ignore[index]
+    torch.save(tree, tmp_path / "str-keys.pt")
+    await aiockpt.save({str(k): v for k, v in tree.items()}, tmp_path / "str-keys")
+    for src in ("str-keys.pt", "str-keys"):
+        fresh = _model()
+        fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        await aiockpt.load({"model": fresh, "optim": fresh_optim}, tmp_path / src)
+        _assert_resumed(fresh, fresh_optim, *_trained())
+        # Into an optimizer that stepped already (int keys in place): the same.
+        stepped, stepped_optim = _trained(seed=1)
+        await aiockpt.load({"model": stepped, "optim": stepped_optim}, tmp_path / src)
+        _assert_resumed(stepped, stepped_optim, *_trained())
+
+
+def test_optimizer_ids_are_restored_only_where_unambiguous() -> None:
+    groups = [{"lr": 0.1, "params": [0, 1]}]
+    tree: dict[object, object] = {
+        "optim": {"state": {"0": {"a": 1}, "1": {"a": 2}}, "param_groups": groups},
+        "nested": [{"state": {"1": 5}, "param_groups": [{"params": [1]}]}],
+        # Not an optimizer's ids: a key no group lists, a non-canonical number, names (get_state_dict).
+        "extra": {"state": {"0": 1, "2": 2}, "param_groups": [{"params": [0, 1]}]},
+        "padded": {"state": {"00": 1}, "param_groups": [{"params": [0]}]},
+        "named": {"state": {"w": 1}, "param_groups": [{"params": ["w"]}]},
+        "str_ids": {"state": {"0": 1}, "param_groups": [{"params": ["0"]}]},
+        "plain": {"state": {"0": 1}},
+    }
+    assert restore_optimizer_ids(tree) == 2  # type: ignore[arg-type]
+    assert tree["optim"] == {"state": {0: {"a": 1}, 1: {"a": 2}}, "param_groups": groups}
+    assert tree["nested"] == [{"state": {1: 5}, "param_groups": [{"params": [1]}]}]
+    assert list(tree["extra"]["state"]) == ["0", "2"]  # type: ignore[index]
+    assert list(tree["padded"]["state"]) == ["00"]  # type: ignore[index]
+    assert list(tree["named"]["state"]) == ["w"]  # type: ignore[index]
+    assert list(tree["str_ids"]["state"]) == ["0"]  # type: ignore[index]
+    assert list(tree["plain"]["state"]) == ["0"]  # type: ignore[index]
+
+
+async def test_convert_keeps_str_keys_of_an_aiockpt_source(tmp_path: Path) -> None:
+    """Only DCP lost the ints: an aiockpt source's str keys are what its saver chose."""
+    tree = {"optim": {"state": {"0": torch.ones(1)}, "param_groups": [{"params": [0]}]}}
+    await aiockpt.save(tree, tmp_path / "src")
+    await aiockpt.convert(tmp_path / "src", tmp_path / "out.pt", to="torch")
+    assert list(torch.load(tmp_path / "out.pt")["optim"]["state"]) == ["0"]
+
+
+# --- A damaged torch.save file is damage ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cut", [10, "half"])
+async def test_truncated_torch_file_is_a_corruption_error(tmp_path: Path, cut: int | str) -> None:
+    path = tmp_path / "x.pt"
+    torch.save({"w": torch.randn(64, 64), "step": 5}, path)
+    size = path.stat().st_size
+    os.truncate(path, size // 2 if cut == "half" else size - int(cut))
+    with pytest.raises(aiockpt.CorruptionError, match="damaged") as info:
+        await aiockpt.read(path)
+    assert info.value.file == str(path)
+    with pytest.raises(aiockpt.CorruptionError) as info:
+        await aiockpt.load({"w": torch.zeros(64, 64), "step": 0}, path)
+    assert info.value.file == str(path)
+
+
+async def test_truncated_legacy_torch_file_is_a_corruption_error(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(4)}, path, _use_new_zipfile_serialization=False)
+    os.truncate(path, path.stat().st_size - 5)
+    with pytest.raises(aiockpt.CorruptionError, match="ends early") as info:
+        await aiockpt.read(path)
+    assert info.value.file == str(path)
+
+
+async def test_a_zip_that_is_no_torch_file_is_still_a_format_error(tmp_path: Path) -> None:
+    import zipfile
+
+    path = tmp_path / "x.pt"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("hello.txt", "not a torch.save archive")
+    with pytest.raises(aiockpt.FormatError) as info:
+        await aiockpt.read(path)
+    assert not isinstance(info.value, aiockpt.CorruptionError)
+
+
+# --- convert into a path under a file ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("to", ["torch", "aiockpt", "safetensors"])
+@pytest.mark.parametrize("under", ["notadir", "notadir/sub"])
+async def test_convert_under_a_file_names_the_file(tmp_path: Path, to: str, under: str) -> None:
+    await aiockpt.save({"w": torch.ones(2)}, tmp_path / "src")
+    (tmp_path / "notadir").write_text("hi")
+    dst = tmp_path / under / "out.pt"
+    with pytest.raises(aiockpt.StorageError, match="is not a directory") as info:
+        await aiockpt.convert(tmp_path / "src", dst, to=to)  # type: ignore[arg-type]
+    assert not isinstance(info.value, aiockpt.CheckpointExistsError)
+    assert info.value.path == str(tmp_path / "notadir")
+    assert f"{tmp_path / 'notadir'} is not a directory" in str(info.value)
+    assert (tmp_path / "notadir").read_text() == "hi"
+    assert sorted(os.listdir(tmp_path)) == ["notadir", "src"]
+
+
+# --- safetensors header errors name the key ------------------------------------------------------------
+
+
+def _edit_header(path: Path, edit: dict[str, object]) -> None:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header.update(edit)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [4], "data_offsets": [-4, 12]},
+        {"dtype": "F32", "shape": [4], "data_offsets": ["a", "b"]},
+        {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]},
+        {"dtype": "F32", "shape": [4.0], "data_offsets": [0, 16]},
+        {"dtype": "F99", "shape": [4], "data_offsets": [0, 16]},
+        {"dtype": 5, "shape": [4], "data_offsets": [0, 16]},
+        5,
+    ],
+    ids=[
+        "offsets_neg",
+        "offsets_str",
+        "shape_neg",
+        "shape_float",
+        "dtype_unknown",
+        "dtype_int",
+        "not_object",
+    ],
+)
+async def test_safetensors_header_errors_name_the_key(tmp_path: Path, entry: object) -> None:
+    path = tmp_path / "x.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.zeros(2)}, str(path))
+    _edit_header(path, {"a": entry})
+    with pytest.raises(aiockpt.CorruptionError) as info:
+        await aiockpt.read(path)
+    assert info.value.key == "a"
+    assert info.value.file == str(path)
+    assert "'a'" in str(info.value)
