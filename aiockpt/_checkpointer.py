@@ -30,7 +30,15 @@ from ._errors import (
     StorageError,
 )
 from ._format import MANIFEST_NAME, Key, part_dir_name
-from ._fs import TMP_PREFIX, collect_garbage, flocked, fsync_dir, remove_tree, replace_durable
+from ._fs import (
+    TMP_PREFIX,
+    collect_garbage,
+    flocked,
+    fsync_dir,
+    not_a_directory,
+    remove_tree,
+    replace_durable,
+)
 from ._handle import Metadata, SaveHandle, SaveState
 from ._insulate import insulated, warn_at_caller
 from ._load import check_target, exists, is_checkpoint, run_load, run_metadata, run_read
@@ -344,10 +352,10 @@ class Checkpointer:
 
     Raises:
         CheckpointError: An argument has a wrong type (``keep_last=2.5``) or is out of range (the
-            message names it). Also, once opened in a distributed job with collectives: ``on_busy`` is
-            not ``"wait"`` (each rank would decide on its own whether to skip, and the others would
-            wait for it), or ``max_inflight`` is more than 1 (two saves in flight could reach their
-            collectives in different orders on different ranks).
+            message names it), or ``root`` is empty. Also, once opened in a distributed job with
+            collectives: ``on_busy`` is not ``"wait"`` (each rank would decide on its own whether to
+            skip, and the others would wait for it), or ``max_inflight`` is more than 1 (two saves in
+            flight could reach their collectives in different orders on different ranks).
     """
 
     def __init__(
@@ -421,7 +429,8 @@ class Checkpointer:
 
         Raises:
             CheckpointError: The Checkpointer is closed.
-            StorageError: ``root`` cannot be made or listed (it is a file, say).
+            StorageError: ``root`` cannot be made or listed; where it or an ancestor is a file, not a
+                directory, the message and ``path`` name that file.
         """
         # Concurrent first calls (saves gathered before any ``async with``) wait for one open: each
         # opening its own would give each save a semaphore of its own, and max_inflight would not hold.
@@ -465,6 +474,14 @@ class Checkpointer:
                 if coordinator:  # the other ranks would race it
                     collect_temp(root)
                 return scan_steps(root)
+            except (FileExistsError, NotADirectoryError) as exc:
+                blocked = not_a_directory(root)
+                if blocked is None:  # (the file in the way went meanwhile)
+                    raise StorageError(
+                        f"cannot open checkpoint root {root}: {exc.strerror or exc}", path=str(root)
+                    ) from exc
+                what = "it is not a directory" if blocked == root else f"{blocked} is not a directory"
+                raise StorageError(f"cannot open checkpoint root {root}: {what}", path=str(blocked)) from exc
             except OSError as exc:
                 raise StorageError(
                     f"cannot open checkpoint root {root}: {exc.strerror or exc}", path=str(root)

@@ -49,10 +49,13 @@ class FormatError(CheckpointError):
 
 
 class CorruptionError(FormatError):
-    """Stored bytes do not match their checksum, or a file is shorter than the manifest says.
+    """Stored bytes do not match their checksum, or the files differ from what the manifest says.
+
+    Shorter than it says, no regular file, of another size than it records (:func:`aiockpt.verify`), or
+    not holding all of a tensor.
 
     Attributes:
-        key: The key path of the damaged tensor, when known.
+        key: The key path of the damaged tensor, when known (``None`` for a data file's size).
         file: The damaged file.
     """
 

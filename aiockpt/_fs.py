@@ -14,6 +14,7 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -81,6 +82,29 @@ def temp_name(name: str, unique: str) -> str:
 def absolute(path: str | os.PathLike[str]) -> Path:
     """``path`` made absolute against the working directory (a ``getcwd``, which never waits on a disk)."""
     return Path(os.path.abspath(path))
+
+
+def not_a_directory(path: Path) -> Path | None:
+    """The nearest of ``path`` and its ancestors that exists, where it is not a directory; else ``None``.
+
+    That is what keeps ``path.mkdir(parents=True)`` from making ``path``, which ``mkdir`` reports as
+    ``FileExistsError`` or ``NotADirectoryError`` of the path it was asked for, not of the file in the way.
+    ``None`` too where nothing of ``path`` exists.
+    """
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return None if candidate.is_dir() else candidate
+    return None
+
+
+def irregular(mode: int) -> str | None:
+    """What a file of ``st_mode`` ``mode`` is where it is no regular file, for messages; ``None`` where it is.
+
+    ``"a directory"``, else ``"not a regular file"`` (a FIFO, a socket, a device).
+    """
+    if stat.S_ISREG(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "not a regular file"
 
 
 def rename_noreplace(src: Path, dst: Path) -> None:

@@ -64,6 +64,17 @@ def render(path: KeyPath) -> str:
     return "/".join(str(k) for k in path) if path else "<root>"
 
 
+def a_or_an(noun: str) -> str:
+    """``noun`` after its indefinite article, for messages: ``an int``, ``a dict``.
+
+    Chosen by its first letter, but for a ``u`` said as "you" (``a uint8``, ``a UserDict``). For error
+    messages only: no path that succeeds calls it.
+    """
+    head = noun[:1].lower()
+    vowel = head in "aeiou" and not noun.lower().startswith(("uint", "uni", "use", "usa", "usu", "uti"))
+    return f"an {noun}" if head and vowel else f"a {noun}"
+
+
 def type_name(obj: object) -> str:
     """Return ``module.QualName`` of ``obj``'s type."""
     cls = type(obj)
@@ -310,8 +321,9 @@ class _Flattener:
         for k, v in obj.items():
             if not (type(k) is str or (type(k) is int and path)):
                 allowed = "str" if not path else "str or int"
+                kind = a_or_an(type(k).__name__)
                 raise StateError(
-                    f"key {k!r} under {render(path)!r} is a {type(k).__name__}; keys here must be {allowed}",
+                    f"key {k!r} under {render(path)!r} is {kind}; keys here must be {allowed}",
                     key=render((*path, str(k))),
                 )
             if type(k) is int and not _INT_MIN <= k <= _INT_MAX:

@@ -6,7 +6,8 @@ buffer its thread reuses, so memory stays bounded (about ``RUN_BYTES`` per threa
 the checkpoint. The runs a load would read with ``O_DIRECT`` (``IOConfig.direct_reads``) go through the
 load's direct pipeline (``_load._direct``): its readers fill bounce buffers from the shared pool and
 its finisher only checksums them. Unlike a load it does not stop at the first damage: it reports every
-damaged chunk, and every run it cannot read.
+damaged chunk, and every run it cannot read. Beside the chunks it checks what a load checks of the
+tensors (that their chunks hold all of them), and each data file's size against the manifest's.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import anyio
 
 from ._errors import CheckpointNotFoundError, CorruptionError, StorageError
 from ._format import Chunk, Manifest
+from ._fs import irregular
 from ._gc import paused
 from ._insulate import insulated
 from ._load import exists, read_manifest
 from ._load._direct import DirectReads, copy_checked, reads_direct, split_direct
-from ._load._read import chunk_error, read_checked
+from ._load._read import check_whole, chunk_error, read_checked
 from ._options import IOConfig, io_config
 from ._pagecache import drop_behind, resident, sweep
 from ._runs import MAX_GAP, Piece, Run, group, lanes
@@ -43,9 +45,11 @@ class VerifyReport:
 
     Attributes:
         path: The checkpoint directory verified.
-        problems: One :class:`CorruptionError` per damaged chunk (or for a damaged manifest), in file
-            order; each names the key (``error.key``) and the file (``error.file``). Empty when every
-            checksum matched.
+        problems: One :class:`CorruptionError` per damaged chunk (or for a damaged manifest), per tensor
+            its chunks do not hold all of (which a load refuses; ``error.file`` is the checkpoint) and
+            per data file of another size than the manifest records (``error.key`` is ``None``): those
+            of tensors first, then in file order. Each names the key (``error.key``) and the file
+            (``error.file``). Empty when every checksum matched and nothing else is amiss.
         num_tensors: Tensors whose chunks were checked.
         num_chunks: Chunks checked.
         nbytes: Bytes of tensor data the manifest describes (all of them are read unless a file is
@@ -64,6 +68,10 @@ class VerifyReport:
         return not self.problems
 
 
+# A problem with where it sorts among the others (see ``_Problems``).
+_Ordered = tuple[tuple[str, int], CorruptionError]
+
+
 @dataclass(frozen=True)
 class _Item:
     tensor: int
@@ -79,6 +87,9 @@ class _Problems:
         self._items = items
         self._lock = threading.Lock()
         self._found: dict[int, CorruptionError] = {}
+        # Damage of no one chunk, with where it sorts: a whole tensor's (``("", index)``, first), or a
+        # data file's (``(name, recorded size)``, after its chunks).
+        self._other: list[_Ordered] = []
 
     def add(self, item: int, what: str) -> None:
         i = self._items[item]
@@ -86,44 +97,66 @@ class _Problems:
         with self._lock:
             self._found.setdefault(item, error)
 
+    def add_other(self, order: tuple[str, int], error: CorruptionError) -> None:
+        with self._lock:
+            self._other.append((order, error))
+
     def in_file_order(self) -> tuple[CorruptionError, ...]:
-        def order(item: int) -> tuple[str, int]:
-            return self._items[item].chunk.file, self._items[item].chunk.offset
+        items = self._items
+        ordered = [((items[k].chunk.file, items[k].chunk.offset), e) for k, e in self._found.items()]
+        ordered += self._other
+        ordered.sort(key=lambda pair: pair[0])
+        return tuple(e for _, e in ordered)
 
-        return tuple(self._found[i] for i in sorted(self._found, key=order))
+
+@dataclass(frozen=True)
+class _Files:
+    """The data files as found: each one's size (``None``: missing).
+
+    ``kinds`` says what those are that are no regular file (see :func:`aiockpt._fs.irregular`).
+    """
+
+    sizes: dict[str, int | None]
+    kinds: dict[str, str]
 
 
-def _sizes(directory: Path, manifest: Manifest) -> dict[str, int | None]:
-    """The size of each data file the chunks name (``None``: missing). Blocking.
+def _look_up(directory: Path, manifest: Manifest) -> _Files:
+    """The data files the chunks name and the manifest lists, looked up. Blocking.
 
     Raises:
         StorageError: A data file exists but cannot be looked up.
     """
     sizes: dict[str, int | None] = {}
-    for entry in manifest.tensors:
-        for chunk in entry.chunks:
-            if chunk.file in sizes:
-                continue
-            try:
-                sizes[chunk.file] = os.stat(directory / chunk.file).st_size
-            except FileNotFoundError:
-                sizes[chunk.file] = None
-            except OSError as exc:
-                file = directory / chunk.file
-                raise StorageError(f"cannot open {file}: {exc.strerror or exc}", path=str(file)) from exc
-    return sizes
+    kinds: dict[str, str] = {}
+    names = [info.name for info in manifest.files]
+    names += (chunk.file for entry in manifest.tensors for chunk in entry.chunks)
+    for name in names:
+        if name in sizes:
+            continue
+        try:
+            found = os.stat(directory / name)
+        except FileNotFoundError:
+            sizes[name] = None
+            continue
+        except OSError as exc:
+            file = directory / name
+            raise StorageError(f"cannot open {file}: {exc.strerror or exc}", path=str(file)) from exc
+        sizes[name] = found.st_size
+        if (kind := irregular(found.st_mode)) is not None:
+            kinds[name] = kind
+    return _Files(sizes, kinds)
 
 
 def _plan(
-    manifest: Manifest, sizes: dict[str, int | None]
+    manifest: Manifest, files: _Files
 ) -> tuple[list[_Item], dict[str, list[Piece]], list[tuple[int, str]]]:
     """Every chunk; per data file the checksum blocks of its chunks as pieces sorted by offset; the rest.
 
     The pieces' views are placeholders of the right length (slices of one shared zero block); a worker
-    points them into its own buffer just before reading their run. A chunk that does not lie inside its
-    data file (``sizes``, see :func:`_sizes`) gets no pieces: it is one of the rest, ``(item, what is
-    wrong)``, so that no placeholder is longer than the data files (the manifest of a damaged checkpoint
-    can say any byte count).
+    points them into its own buffer just before reading their run. A chunk that does not lie inside a
+    regular data file (``files``, see :func:`_look_up`) gets no pieces: it is one of the rest, ``(item,
+    what is wrong)``, so that no placeholder is longer than the data files (the manifest of a damaged
+    checkpoint can say any byte count).
     """
     block = manifest.checksum_block
     items: list[_Item] = []
@@ -133,9 +166,12 @@ def _plan(
         for chunk in entry.chunks:
             item = len(items)
             items.append(_Item(t, chunk))
-            size = sizes.get(chunk.file)
+            size = files.sizes.get(chunk.file)
+            kind = files.kinds.get(chunk.file)
             if size is None:
                 unfit.append((item, "data file is missing"))
+            elif kind is not None:
+                unfit.append((item, f"data file is {kind}"))
             elif chunk.offset + chunk.nbytes > size:
                 unfit.append((item, "data file is truncated"))
             else:
@@ -156,6 +192,36 @@ def _plan(
     for pieces in by_file.values():
         pieces.sort(key=lambda p: p.offset)
     return items, by_file, unfit
+
+
+def _whole_damage(directory: Path, manifest: Manifest, files: _Files, damaged: set[str]) -> list[_Ordered]:
+    """The damage of no one chunk, each with where it sorts (see ``_Problems``). Blocking.
+
+    A tensor that its chunks do not hold all of, which a load refuses (see :func:`check_whole`); and a
+    data file whose size is not the manifest's (``files[].nbytes``): bytes appended to it, which no load
+    reads, or a file that is missing, no regular file or short where no chunk says so already (those
+    that ``damaged`` names).
+    """
+    found: list[_Ordered] = []
+    for index, entry in enumerate(manifest.tensors):
+        try:
+            check_whole(entry, str(directory))
+        except CorruptionError as exc:
+            found.append((("", index), exc))
+    for info in manifest.files:
+        size = files.sizes.get(info.name)
+        kind = files.kinds.get(info.name)
+        file = str(directory / info.name)
+        if size is None or kind is not None or size < info.nbytes:
+            if info.name in damaged:
+                continue
+            what = "missing" if size is None else kind or f"{size} bytes long, not {info.nbytes}"
+        elif size > info.nbytes:
+            what = f"{size} bytes long: {size - info.nbytes} past the {info.nbytes} the manifest records"
+        else:
+            continue
+        found.append(((info.name, info.nbytes), CorruptionError(f"data file {file} is {what}", file=file)))
+    return found
 
 
 async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], None]) -> None:
@@ -229,7 +295,9 @@ async def verify(
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is true when nothing is damaged, otherwise
         ``report.problems`` holds one :class:`CorruptionError` per damaged chunk (checksum mismatch, file
-        missing, truncated or unreadable) or for a damaged manifest.
+        missing, no regular file, truncated or unreadable), per tensor its chunks do not hold all of,
+        per data file longer than the manifest records (bytes appended, which no load reads), or for a
+        damaged manifest.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a committed checkpoint (no manifest, or parts missing),
@@ -237,6 +305,7 @@ async def verify(
             missing, which is no damage).
         FormatError: The manifest is not an aiockpt manifest, or has a newer format version.
         StorageError: A data file exists but cannot be opened.
+        CheckpointError: ``path`` is empty, or an ``s3://`` URL.
     """
     directory = local(path, "verify")
     io = io_config(io)
@@ -256,15 +325,19 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
     except CorruptionError as exc:
         return VerifyReport(path=str(directory), problems=(exc,), num_tensors=0, num_chunks=0, nbytes=0)
 
-    def plan() -> tuple[list[_Item], dict[str, list[Piece]], list[tuple[int, str]]]:
-        sizes = _sizes(directory, manifest)
+    def plan() -> tuple[list[_Item], dict[str, list[Piece]], list[tuple[int, str]], list[_Ordered]]:
+        files = _look_up(directory, manifest)
         with paused():
-            return _plan(manifest, sizes)
+            items, by_file, unfit = _plan(manifest, files)
+            damaged = {items[item].chunk.file for item, _ in unfit}
+            return items, by_file, unfit, _whole_damage(directory, manifest, files, damaged)
 
-    items, by_file, unfit = await run_sync(plan)
+    items, by_file, unfit, whole = await run_sync(plan)
     problems = _Problems(directory, manifest, items)
     for item, what in unfit:
         problems.add(item, what)
+    for order, error in whole:
+        problems.add_other(order, error)
     checksums = [i.chunk.checksums for i in items]
     total = sum(i.chunk.nbytes for i in items)
     fds: dict[str, int] = {}

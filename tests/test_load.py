@@ -702,8 +702,8 @@ async def test_lazy_parameters_are_materialized_as_load_state_dict_does(ckpt_pat
 def _forge_chunks(path: Path, key: str, boxes: list[tuple[int, int]]) -> None:
     """Make the 1-d tensor ``key`` of the checkpoint at ``path`` stored as only the element ranges ``boxes``.
 
-    Each range becomes a chunk of the same data file at its own bytes, with its checksum: a checkpoint
-    that verifies, as one a save over a sub-group holding part of a DTensor writes.
+    Each range becomes a chunk of the same data file at its own bytes, with its checksum: every stored
+    byte intact, as a save over a sub-group holding part of a DTensor writes them.
     """
     file = path / MANIFEST_NAME
     manifest = decode_manifest(file.read_bytes(), str(file))
@@ -736,7 +736,10 @@ async def test_chunks_that_miss_part_of_a_tensor_are_refused_naming_the_key(
     # and a read to return uninitialized memory there, silently.
     await aiockpt.save({"w": torch.arange(8.0), "v": torch.ones(3)}, ckpt_path)
     _forge_chunks(ckpt_path, "w", boxes)
-    assert (await aiockpt.verify(ckpt_path)).ok  # every stored byte is intact: only coverage is wrong
+    # Every stored byte is intact, but verify reports what a read refuses: the hole in "w".
+    (problem,) = (await aiockpt.verify(ckpt_path)).problems
+    assert (problem.key, problem.file) == ("w", str(ckpt_path))
+    assert f"elements {hole}" in str(problem)
     target: dict[str, object] = {"w": torch.full((8,), -1.0), "v": torch.zeros(3)}
     with pytest.raises(aiockpt.CorruptionError, match=rf"key 'w' .*elements \{hole}") as info:
         await aiockpt.load(target, ckpt_path)

@@ -27,7 +27,7 @@ import torch
 
 from .._errors import CheckpointError, CheckpointExistsError, StateError, StorageError
 from .._format import Key, KeyPath
-from .._fs import OwnerLock, fsync_dir, rename_noreplace
+from .._fs import OwnerLock, fsync_dir, not_a_directory, rename_noreplace
 from .._handle import SaveMetrics
 from .._insulate import insulated
 from .._load import run_metadata
@@ -295,12 +295,10 @@ def _not_a_directory(target: Path) -> StorageError | None:
     error names that ancestor: ``mkdir`` would report it as ``FileExistsError`` of a path that does not
     exist (``dst``'s parent), and the caller would take it for ``dst`` itself.
     """
-    for ancestor in target.parents:
-        if os.path.lexists(ancestor):
-            if ancestor.is_dir():
-                return None
-            return StorageError(f"cannot write {target}: {ancestor} is not a directory", path=str(ancestor))
-    return None
+    ancestor = not_a_directory(target.parent)
+    if ancestor is None:
+        return None
+    return StorageError(f"cannot write {target}: {ancestor} is not a directory", path=str(ancestor))
 
 
 async def _is_dcp(src: str | os.PathLike[str]) -> bool:
@@ -388,9 +386,9 @@ async def convert(
         FormatError: The source is unreadable.
         StorageError: Writing failed, or an ancestor of ``dst`` is a file, not a directory (names it);
             nothing is left at ``dst``.
-        CheckpointError: ``to`` or ``max_shard_size`` is invalid (as for every other bad argument), or
-            ``rank`` is not a rank of the world that saved an aiockpt ``src`` (names the rank and the
-            world's size).
+        CheckpointError: ``to`` or ``max_shard_size`` is invalid, ``src`` or ``dst`` is an empty path
+            (as for every other bad argument), or ``rank`` is not a rank of the world that saved an
+            aiockpt ``src`` (names the rank and the world's size).
     """
     from .._api import read
 
@@ -399,6 +397,8 @@ async def convert(
         raise CheckpointError(f"to must be 'aiockpt', 'torch', 'safetensors' or 'dcp', not {to!r}")
     if max_shard_size <= 0:
         raise CheckpointError(f"max_shard_size must be positive, not {max_shard_size}")
+    if not os.fspath(dst):  # (which would name the working directory)
+        raise CheckpointError("dst is an empty path: name the checkpoint to create")
     chosen = checked_rank(rank)
     io = io_config(io)
     target = local(dst, "convert")

@@ -38,7 +38,7 @@ from .._format import MAX_READ_DEPTH, Chunk, KeyPath, Manifest, Node, PickleNode
 from .._load._manifest import MAX_BYTES, box_inside, dtype_itemsize
 from .._load._match import Destination
 from .._load._read import read_into
-from .._tree import dtype_name
+from .._tree import a_or_an, dtype_name
 from ._names import tree_of, value_node
 from ._records import check_records
 from ._source import DecodingSource
@@ -125,7 +125,7 @@ def read_metadata(directory: Path, *, allow_pickle: bool) -> Any:
     except Exception as exc:
         raise FormatError(f"{file} is not readable DCP metadata: {exc}", file=str(file)) from exc
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise FormatError(f"{file} holds a {type(md).__name__}, not DCP Metadata", file=str(file))
+        raise FormatError(f"{file} holds {a_or_an(type(md).__name__)}, not DCP Metadata", file=str(file))
     if not isinstance(md.storage_data, dict):
         raise FormatError(f"{file} has no storage data: not written by a FileSystemWriter", file=str(file))
     return md

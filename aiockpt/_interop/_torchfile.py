@@ -38,7 +38,7 @@ from .._errors import CorruptionError, FormatError, StateError, StorageError
 from .._format import Chunk, Key, KeyPath, Manifest, TensorEntry
 from .._load._match import Destination
 from .._memory import nbytes_of, view_at
-from .._tree import dtype_name, flatten, render, type_name
+from .._tree import a_or_an, dtype_name, flatten, render, type_name
 from ._records import Check, check_crcs
 from ._source import DecodingSource
 from ._torchblob import Record, stored_records
@@ -463,7 +463,7 @@ class TorchFileSource(DecodingSource):
         obj = load_file(path, allow_pickle=allow_pickle, compressed=compressed)
         if not isinstance(obj, Mapping):
             raise FormatError(
-                f"{path} holds a {type_name(obj)}, not a state dict (a mapping)", file=str(path)
+                f"{path} holds {a_or_an(type_name(obj))}, not a state dict (a mapping)", file=str(path)
             )
         flat = flatten(obj, allow_pickle=True)
         self.tensors = flat.tensors

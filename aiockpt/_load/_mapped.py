@@ -24,6 +24,7 @@ import errno
 import math
 import mmap
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import cast
@@ -82,7 +83,8 @@ class Mapper:
 
     def __init__(self, directory: Path) -> None:
         self._directory = directory
-        # Per data file, its mapping, or ``None`` if it cannot be mapped (missing, empty, refused).
+        # Per data file, its mapping, or ``None`` if it cannot be mapped (missing, empty, no regular file,
+        # refused).
         self._storages: dict[str, torch.UntypedStorage | None] = {}
 
     def tensor(self, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor | None:
@@ -111,7 +113,8 @@ class Mapper:
         storage: torch.UntypedStorage | None = None
         path = self._directory / name
         try:
-            nbytes = os.stat(path).st_size
+            found = os.stat(path)
+            nbytes = found.st_size if stat.S_ISREG(found.st_mode) else 0
             if nbytes:
                 # shared=False: a private (copy-on-write) mapping; the file's descriptor is closed.
                 made = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=nbytes)

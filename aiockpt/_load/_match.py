@@ -38,10 +38,11 @@ from .._format import (
     TupleNode,
     ValueNode,
 )
+from .._fs import irregular
 from .._gc import paused
 from .._memory import byte_view, contiguous_strides
 from .._storage import Location, S3Path
-from .._tree import dtensor_type, dtype_from_name, dtype_name, is_stateful, render, shard_of
+from .._tree import a_or_an, dtensor_type, dtype_from_name, dtype_name, is_stateful, render, shard_of
 from ._mapped import Mapper
 
 
@@ -104,7 +105,7 @@ def _describe(obj: object) -> str:
         return f"a nested tensor {str(obj.dtype).removeprefix('torch.')}"
     if isinstance(obj, torch.Tensor):
         return f"a tensor {str(obj.dtype).removeprefix('torch.')}{list(obj.shape)}"
-    return f"a {type(obj).__name__}"
+    return a_or_an(type(obj).__name__)
 
 
 def _entry_desc(e: TensorEntry) -> str:
@@ -206,7 +207,7 @@ class _Matcher:
         if isinstance(node, TensorNode):
             return self.tensor(node, tmpl, path)
         if isinstance(tmpl, torch.Tensor):
-            self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a {_kind(node)}")
+            self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint {_kind_a(node)}")
             return tmpl
         if isinstance(node, DictNode):
             if tmpl is MISSING or isinstance(tmpl, Mapping):
@@ -218,7 +219,7 @@ class _Matcher:
         if isinstance(node, (ValueNode, BytesNode)):
             if tmpl is not MISSING:  # a container here: plain values in the target were made MISSING above
                 self.diff(
-                    f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a {_kind(node)}"
+                    f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint {_kind_a(node)}"
                 )
                 return tmpl
             return node.value
@@ -227,7 +228,7 @@ class _Matcher:
 
     def stateful(self, node: Node, obj: object, path: KeyPath) -> object:
         if not isinstance(node, DictNode):
-            self.diff(f"{render(path)}: the target is a {type(obj).__name__}, the checkpoint a {_kind(node)}")
+            self.diff(f"{render(path)}: the target is {_describe(obj)}, the checkpoint {_kind_a(node)}")
             return obj
         template = obj.state_dict()  # type: ignore[attr-defined]
         if isinstance(obj, torch.nn.Module):
@@ -688,6 +689,7 @@ class _DataFiles:
     def __init__(self, directory: Location) -> None:
         self.directory = directory
         self.sizes: dict[str, int | None] = {}  # per file, its size (``None``: it cannot be looked up)
+        self.kinds: dict[str, str] = {}  # per local file that is no regular file, what it is (see irregular)
 
     def size(self, name: str) -> int | None:
         """The size of data file ``name``; ``None`` where it is missing (or, locally, cannot be looked up).
@@ -702,26 +704,34 @@ class _DataFiles:
                 self.sizes[name] = object_size(self.directory, name)
             else:
                 try:
-                    self.sizes[name] = os.stat(self.directory / name).st_size
+                    found = os.stat(self.directory / name)
                 except OSError:  # (the read stage reports why, naming the file)
                     self.sizes[name] = None
+                else:
+                    self.sizes[name] = found.st_size
+                    if (kind := irregular(found.st_mode)) is not None:
+                        self.kinds[name] = kind
         return self.sizes[name]
 
     def check(self, entry: TensorEntry, path: KeyPath) -> None:
         """Refuse ``entry``, read fresh at ``path``, if its data files cannot hold it.
 
         Raises:
-            CorruptionError: A data file of it is missing or too short, or its chunks hold fewer bytes
-                than it has (names the key and the file).
+            CorruptionError: A data file of it is missing, no regular file (a directory, say) or too
+                short, or its chunks hold fewer bytes than it has (names the key and the file).
         """
         key = render(path)
         boxes: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         stored = 0
         for c in entry.chunks:
             size = self.size(c.file)
-            if size is None or c.offset + c.nbytes > size:
+            kind = self.kinds.get(c.file)
+            if size is None or kind is not None or c.offset + c.nbytes > size:
                 file = str(self.directory / c.file)
-                what = "data file is missing" if size is None else "data file is truncated"
+                if size is None:
+                    what = "data file is missing"
+                else:
+                    what = "data file is truncated" if kind is None else f"data file is {kind}"
                 raise CorruptionError(
                     f"{what} in {file} for key {key!r} (bytes {c.offset}..{c.offset + c.nbytes})",
                     file=file,
@@ -793,6 +803,11 @@ def _storages(module: torch.nn.Module) -> set[int | None]:
     return {_storage(t) for t in (*module.parameters(), *module.buffers())} - {None, 0}
 
 
+def _kind_a(node: Node) -> str:
+    """:func:`_kind` after its indefinite article: ``an int``, ``a dict``."""
+    return a_or_an(_kind(node))
+
+
 def _kind(node: Node) -> str:
     if isinstance(node, ValueNode):
         return type(node.value).__name__
@@ -819,8 +834,8 @@ def match(
 
     Raises:
         StateError: A pickled object is met without ``allow_pickle``, or cannot be unpickled (names the key).
-        CorruptionError: With ``data``, a fresh tensor's data file is missing or too short, or its chunks
-            hold less than it.
+        CorruptionError: With ``data``, a fresh tensor's data file is missing, no regular file or too
+            short, or its chunks hold less than it.
         StorageError: With ``data`` on object storage, a request for a data object's size failed.
     """
     m = _Matcher(manifest, allow_pickle, mapper, data)

@@ -34,6 +34,7 @@ import torch
 from .._cuda import cuda_devices, current, in_use, noted, wait
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
+from .._fs import irregular
 from .._gc import paused
 from .._memory import byte_view, plain_cpu, plain_view, view_at
 from .._pagecache import drop_behind, kept, resident, sweep
@@ -175,6 +176,24 @@ def _plan_chunks(
         reads.append(_Read(index, chunk, byte_view(buf)))
     if covered != target.numel():
         _check_covered(entry, d_off, d_size, where)
+
+
+def check_whole(entry: TensorEntry, where: str | None) -> None:
+    """Refuse ``entry`` if its chunks do not hold every element of it, as a read of all of it would.
+
+    Counts the elements of its distinct chunk boxes first; only a count short of (or, across parts,
+    over) the tensor's is looked into exactly.
+
+    Raises:
+        CorruptionError: Names the key, ``where`` (the checkpoint) and a box of it that no chunk holds.
+    """
+    shape = entry.shape
+    chunks = entry.chunks
+    if len(chunks) == 1 and chunks[0].sizes == shape and not any(chunks[0].offsets):
+        return  # (the whole tensor in one chunk: nearly every entry)
+    boxes = {(c.offsets, c.sizes) for c in chunks}
+    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape):
+        _check_covered(entry, (0,) * len(shape), shape, where)
 
 
 def _check_covered(
@@ -469,8 +488,10 @@ def cached_pages(directory: Path, manifest: Manifest) -> dict[str, bytes | None]
         except OSError:
             continue
         try:
-            # (The file's own size bounds the snapshot: a damaged manifest can say any byte count.)
-            out[info.name] = resident(fd, min(info.nbytes, os.fstat(fd).st_size))
+            found = os.fstat(fd)
+            if irregular(found.st_mode) is None:  # (the read stage reports a directory, say)
+                # (The file's own size bounds the snapshot: a damaged manifest can say any byte count.)
+                out[info.name] = resident(fd, min(info.nbytes, found.st_size))
         finally:
             os.close(fd)
     return out
@@ -539,8 +560,8 @@ async def read_into(
     the direct runs' finisher is pinned like a checker.
 
     Raises:
-        CorruptionError: A block's checksum does not match, or a data file is missing or too short; the
-            message names the key and the file.
+        CorruptionError: A block's checksum does not match, or a data file is missing, no regular file
+            (a directory, say) or too short; the message names the key and the file.
         StorageError: A data file cannot be opened or read; the message and ``path`` name the file.
     """
     block = manifest.checksum_block
@@ -618,7 +639,10 @@ async def read_into(
             except OSError as exc:
                 raise unreadable(name, exc) from exc
             fds[name] = fd
-            size = os.fstat(fd).st_size
+            found = os.fstat(fd)
+            if (kind := irregular(found.st_mode)) is not None:  # (a directory opens, then fails to read)
+                raise corrupt(reads[pieces[0].item], f"data file is {kind}")
+            size = found.st_size
             end = max(p.offset + len(p.view) for p in pieces)
             if size < end:
                 short = next(p for p in pieces if p.offset + len(p.view) > size)

@@ -22,7 +22,7 @@ from .._codec import encode as sliced_encode
 from .._cuda import noting
 from .._errors import CheckpointExistsError, DistributedError, StorageError
 from .._format import MANIFEST_NAME, DictNode, Manifest
-from .._fs import LOCK_SUFFIX, NAME_MAX, OwnerLock, remove_tree, temp_name
+from .._fs import LOCK_SUFFIX, NAME_MAX, OwnerLock, not_a_directory, remove_tree, temp_name
 from .._gc import collect_young, paused
 from .._handle import Metadata, SaveMetrics, SaveState
 from .._load._manifest import decode_summary
@@ -150,6 +150,14 @@ def _prepare_target(path: Path) -> tuple[Path, OwnerLock]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return open_tmp(path)
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocked = not_a_directory(path.parent)
+        if blocked is None:  # (not a file in the way: the temp dir's own name was taken, say)
+            why = exc.strerror or exc
+            raise StorageError(f"cannot create a temp dir beside {path}: {why}", path=str(path)) from exc
+        raise StorageError(
+            f"cannot create a temp dir beside {path}: {blocked} is not a directory", path=str(blocked)
+        ) from exc
     except OSError as exc:
         reason = exc.strerror or exc
         raise StorageError(f"cannot create a temp dir beside {path}: {reason}", path=str(path)) from exc

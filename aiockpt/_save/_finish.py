@@ -32,7 +32,7 @@ from .._format import (
 )
 from .._fs import fsync_dir, rename_noreplace, write_durable
 from .._threads import run_sync
-from .._tree import int_text, type_name
+from .._tree import a_or_an, int_text, type_name
 from .._version import __version__
 from ._global_plan import GlobalPlan
 from ._write import WriteResult
@@ -60,7 +60,7 @@ def check_metadata(metadata: Mapping[object, object]) -> None:
 def _metadata_problem(key: object, value: object) -> str | None:
     """Why ``key: value`` cannot be user metadata, or ``None`` if it can."""
     if not isinstance(key, str):
-        return f"the key is a {type_name(key)}; metadata keys must be str"
+        return f"the key is {a_or_an(type_name(key))}; metadata keys must be str"
     try:
         ENCODER.encode(key)
     except UnicodeEncodeError:
@@ -75,7 +75,7 @@ def _metadata_problem(key: object, value: object) -> str | None:
         return f"the value {int_text(value)} is outside the ints a manifest can store ([-2**63, 2**64 - 1])"
     if type(value) is str:
         return "the value is not valid Unicode (a lone surrogate) and cannot be encoded as UTF-8"
-    return f"the value is a {type_name(value)}; metadata values must be str, int, float, bool or None"
+    return f"the value is {a_or_an(type_name(value))}; metadata values must be str, int, float, bool or None"
 
 
 def build_manifest(

@@ -103,11 +103,13 @@ def resolve(path: str | os.PathLike[str] | S3Path, s3: S3Options | None = None) 
     """``s3://bucket/prefix`` as an :class:`S3Path`; any other path made absolute.
 
     Raises:
-        CheckpointError: The URL names no bucket or no prefix, or ``s3`` options come with a local path.
+        CheckpointError: ``path`` is empty, the URL names no bucket or no prefix, or ``s3`` options come
+            with a local path.
     """
     if isinstance(path, S3Path):
         return path if s3 is None else S3Path(path.bucket, path.key, s3)
     if not is_url(path):
+        _check_not_empty(path)
         if s3 is not None:
             raise CheckpointError(f"s3= options were given for the local path {os.fspath(path)!r}")
         return absolute(path)
@@ -125,11 +127,23 @@ def local(path: str | os.PathLike[str], what: str) -> Path:
     """``path`` made absolute, for operations that work on the local file system only.
 
     Raises:
-        CheckpointError: ``path`` is an ``s3://`` URL; the message names ``what`` refused it.
+        CheckpointError: ``path`` is empty, or an ``s3://`` URL; the message names ``what`` refused it.
     """
+    _check_not_empty(path, what)
     if is_url(path):
         raise CheckpointError(
             f"{what} works on local paths only, not on {os.fspath(path)!r}: use aiockpt.load, "
             "aiockpt.read or a Checkpointer for s3:// checkpoints"
         )
     return absolute(path)
+
+
+def _check_not_empty(path: str | os.PathLike[str], what: str | None = None) -> None:
+    """Refuse the empty path, which ``os.path.abspath`` would take for the working directory.
+
+    Raises:
+        CheckpointError: ``path`` is empty (``what``, where given, is named as refusing it).
+    """
+    if not os.fspath(path):
+        said = "the path is empty" if what is None else f"{what} was given an empty path"
+        raise CheckpointError(f"{said}: name a directory or file ('.' is the working directory)")
