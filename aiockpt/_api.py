@@ -108,11 +108,12 @@ async def save(
         CheckpointExistsError: ``path`` exists.
         StateError: The state or ``metadata`` holds something that cannot be saved (the message names
             the key); nothing was written.
-        StorageError: Writing failed, or ``path``'s name is too long; nothing was published and temp data
-            is removed.
+        StorageError: Writing failed, ``path``'s name is too long, or an ancestor of ``path`` is a file,
+            not a directory (the message and ``path`` name it); nothing was published and temp data is
+            removed.
         DistributedError: Another rank failed or did not answer in time (names the ranks).
-        CheckpointError: A flag (``async_op``, ``allow_pickle``, ``use_collectives``) is not a bool, or
-            ``collective_timeout`` is not a positive, finite number of seconds.
+        CheckpointError: A flag (``async_op``, ``allow_pickle``, ``use_collectives``) is not a bool,
+            ``collective_timeout`` is not a positive, finite number of seconds, or ``path`` is empty.
     """
     check_flags(async_op=async_op, allow_pickle=allow_pickle, use_collectives=use_collectives)
     check_timeout(collective_timeout)
@@ -192,8 +193,8 @@ async def load(
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
         StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a smaller
             world); names the key. Or ``state`` is not a mutable mapping (nothing was read).
-        CheckpointError: ``rank`` is not an int of at least 0, or ``strict`` or ``allow_pickle`` is not a
-            bool.
+        CheckpointError: ``rank`` is not an int of at least 0, ``strict`` or ``allow_pickle`` is not a
+            bool, or ``path`` is empty.
     """
     check_flags(strict=strict, allow_pickle=allow_pickle)
     check_target(state)
@@ -229,7 +230,11 @@ async def read(
     directory (full tensors, nested as saved), a safetensors file or Hugging Face directory (a flat
     ``{name: tensor}`` dict) or a ``torch.save`` file; see ``docs/interop.md``. The large tensors of an
     aiockpt checkpoint on a local file system are copy-on-write views of its data files, verified when
-    read (see ``IOConfig.map_reads``).
+    read (see ``IOConfig.map_reads``). Its tensors under 64 KiB are views of shared 16 MiB slabs: one
+    kept alive keeps its slab alive, and ``torch.save`` of it writes the whole slab (``clone()`` one to
+    keep it alone). Mappings come back as plain dicts, whatever their type when saved (a
+    ``defaultdict``'s factory and an ``OrderedDict``'s type are not kept; lists and tuples of other
+    types are refused at save, unless pickled).
 
     Args:
         path: A checkpoint directory, an ``s3://bucket/prefix`` URL, or a foreign checkpoint.
@@ -251,7 +256,8 @@ async def read(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateError: A pickled object is stored and ``allow_pickle`` is false, or ``rank`` has no item of
             a list or tuple saved per rank (a rank outside the world that saved it; names the key).
-        CheckpointError: ``rank`` is not an int of at least 0, or ``allow_pickle`` is not a bool.
+        CheckpointError: ``rank`` is not an int of at least 0, ``allow_pickle`` is not a bool, or
+            ``path`` is empty.
     """
     check_flags(allow_pickle=allow_pickle)
     chosen = checked_rank(rank)
@@ -288,6 +294,7 @@ async def read_metadata(path: str | os.PathLike[str], *, s3: S3Options | None = 
         FormatError: The manifest is unreadable or from a newer format, or ``path`` is a foreign
             checkpoint (DCP, safetensors, ``torch.save``), which has no aiockpt metadata.
         CorruptionError: The manifest's checksum does not match (names the file).
+        CheckpointError: ``path`` is empty.
     """
     target = resolve(path, s3)
     if not isinstance(target, S3Path):
