@@ -107,17 +107,18 @@ def _entry(
             f"{file}: the header entry of {name!r} is not an object", file=str(file), key=name
         )
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        if isinstance(dtype, str) and dtype in _UNREAD:
-            # A dtype of the format this torch has no tensors of: not damage. (FormatError has no key.)
-            raise FormatError(
-                f"{file}: {name!r} has dtype {dtype!r}, which aiockpt does not read", file=str(file)
-            )
+    if not isinstance(dtype, str):
         raise CorruptionError(
-            f"{file} has a damaged safetensors header: {name!r} has dtype {dtype!r}, which is none of "
-            "the format's",
+            f"{file} has a damaged safetensors header: {name!r} has dtype {dtype!r}, not a name",
             file=str(file),
             key=name,
+        )
+    if dtype not in DTYPES:
+        # A name this reader does not know: a dtype of the format this torch has no tensors of, one a
+        # later safetensors added, or damage; it cannot tell which. (FormatError has no key.)
+        known = "" if dtype in _UNREAD else " (or the header is damaged)"
+        raise FormatError(
+            f"{file}: {name!r} has dtype {dtype!r}, which aiockpt does not read{known}", file=str(file)
         )
     if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise CorruptionError(f"{file}: {name!r} has an invalid shape {shape!r}", file=str(file), key=name)
