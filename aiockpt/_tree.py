@@ -59,6 +59,16 @@ def is_stateful(obj: object) -> bool:
     return not isinstance(obj, (torch.Tensor, type)) and isinstance(obj, Stateful)
 
 
+def spelled_int(key: object) -> int | None:
+    """``int(key)`` for a key that ``str`` of an int made (``"7"``; not ``"07"``, ``"+7"``, non-ASCII).
+
+    What DCP makes of an int key (it stores every mapping key as ``str(key)``): an optimizer's state ids.
+    """
+    if isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key:
+        return int(key)
+    return None
+
+
 def render(path: KeyPath) -> str:
     """Render a key path for messages: ``("optim", "state", 0, "exp_avg")`` -> ``optim/state/0/exp_avg``."""
     return "/".join(str(k) for k in path) if path else "<root>"

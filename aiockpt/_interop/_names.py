@@ -24,7 +24,7 @@ import torch
 
 from .._errors import StateError
 from .._format import DictNode, Key, KeyPath, ListNode, Node, PickleNode
-from .._tree import flatten, is_stateful, render, type_name
+from .._tree import flatten, is_stateful, render, spelled_int, type_name
 
 # A tree under construction: nodes, dicts and lists of them.
 _Draft = Union[Node, dict[Key, "_Draft"], list["_Draft"]]  # noqa: UP007 (a recursive alias needs Union)
@@ -123,13 +123,6 @@ def _param_ids(groups: object) -> set[int] | None:
     return ids
 
 
-def _digits(key: object) -> int | None:
-    """``int(key)`` for a key that ``str`` of an int made (``"7"``; not ``"07"``, ``"+7"``, non-ASCII)."""
-    if isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key:
-        return int(key)
-    return None
-
-
 def restore_optimizer_ids(tree: dict[Key, object]) -> int:
     """Give the per-parameter state of every optimizer state dict in ``tree`` its int keys back, in place.
 
@@ -152,7 +145,7 @@ def restore_optimizer_ids(tree: dict[Key, object]) -> int:
         if isinstance(obj, dict):
             state, ids = obj.get("state"), _param_ids(obj.get("param_groups"))
             if isinstance(state, dict) and state and ids is not None:
-                ints = [i for i in map(_digits, state) if i is not None and i in ids]
+                ints = [i for i in map(spelled_int, state) if i is not None and i in ids]
                 if len(ints) == len(state):  # (distinct: decimal strings of distinct ints)
                     obj["state"] = dict(zip(ints, state.values(), strict=True))
                     changed += 1

@@ -42,7 +42,16 @@ from .._fs import irregular
 from .._gc import paused
 from .._memory import byte_view, contiguous_strides
 from .._storage import Location, S3Path
-from .._tree import a_or_an, dtensor_type, dtype_from_name, dtype_name, is_stateful, render, shard_of
+from .._tree import (
+    a_or_an,
+    dtensor_type,
+    dtype_from_name,
+    dtype_name,
+    is_stateful,
+    render,
+    shard_of,
+    spelled_int,
+)
 from ._mapped import Mapper
 
 
@@ -289,10 +298,9 @@ class _Matcher:
         present = set(keys)
         out: list[Key] = []
         for k in keys:
-            if isinstance(k, str) and k.isascii() and k.isdigit() and str(int(k)) == k:
-                i = int(k)
-                if i not in present and (*path, i) in self.params:
-                    k = i
+            i = spelled_int(k)
+            if i is not None and i not in present and (*path, i) in self.params:
+                k = i
             out.append(k)
         return tuple(out)
 
