@@ -595,24 +595,55 @@ IO_CASES = {
 
 @pytest.mark.parametrize("io", IO_CASES.values(), ids=IO_CASES.keys())
 @pytest.mark.parametrize("n", [100, 512], ids=["40KiB", "1MiB"])
-@pytest.mark.parametrize("equal", [False, True], ids=["different", "equal"])
-async def test_tied_target_loads_keys_stored_apart_as_load_state_dict(
-    ckpt_path: Path, io: aiockpt.IOConfig, n: int, equal: bool
+async def test_tied_target_loads_keys_stored_apart_with_equal_values(
+    ckpt_path: Path, io: aiockpt.IOConfig, n: int
 ) -> None:
-    # The target ties head.weight to emb.weight; the checkpoint holds them apart. Read in place, the second
-    # key's bytes overwrote the first's before its checksum was verified there: a false CorruptionError.
+    # The target ties head.weight to emb.weight; the checkpoint holds them apart, of equal values. Read in
+    # place, the second key's bytes overwrote the first's before its checksum was verified there: a false
+    # CorruptionError.
     torch.manual_seed(0)
     src = _Tied(n, tie=False)
-    if equal:
-        src.head.weight = torch.nn.Parameter(src.emb.weight.detach().clone())
+    src.head.weight = torch.nn.Parameter(src.emb.weight.detach().clone())
     await aiockpt.save({"model": src}, ckpt_path)
-    expected = _Tied(n, tie=True)
-    expected.load_state_dict(src.state_dict())
     dst = _Tied(n, tie=True)
     await aiockpt.load({"model": dst}, ckpt_path, io=io)
     assert dst.head.weight is dst.emb.weight
-    assert torch.equal(dst.emb.weight, expected.emb.weight)  # the later key's values win
-    assert torch.equal(dst.emb.weight, src.head.weight)
+    assert torch.equal(dst.emb.weight, src.emb.weight)
+
+
+@pytest.mark.parametrize("io", IO_CASES.values(), ids=IO_CASES.keys())
+@pytest.mark.parametrize("n", [100, 512], ids=["40KiB", "1MiB"])
+async def test_tied_target_refuses_keys_stored_apart_with_other_values(
+    ckpt_path: Path, io: aiockpt.IOConfig, n: int
+) -> None:
+    # The same, of other values (a model that ties its head loading one that does not): one memory cannot
+    # hold both, and the one loaded first was overwritten without a word, as load_state_dict does.
+    torch.manual_seed(0)
+    src = _Tied(n, tie=False)
+    await aiockpt.save({"model": src}, ckpt_path)
+    dst = _Tied(n, tie=True)
+    before = dst.emb.weight.detach().clone()
+    with pytest.raises(aiockpt.StateMismatchError) as info:
+        await aiockpt.load({"model": dst}, ckpt_path, io=io)
+    assert info.value.differences == [
+        "model/head.weight: the target ties it to model/emb.weight (one memory), the checkpoint holds the "
+        "two apart, with other values"
+    ]
+    assert torch.equal(dst.emb.weight, before)  # nothing written
+    # strict=False loads the key met first, and reports the other as not loaded.
+    with pytest.warns(aiockpt.StateMismatchWarning, match="model/head.weight: the target ties it"):
+        await aiockpt.load({"model": dst}, ckpt_path, io=io, strict=False)
+    assert dst.head.weight is dst.emb.weight
+    assert torch.equal(dst.emb.weight, src.emb.weight)
+
+
+async def test_tied_plain_tensors_refuse_other_values_and_take_equal_ones(ckpt_path: Path) -> None:
+    await aiockpt.save({"a": torch.ones(4), "b": torch.zeros(4), "c": torch.ones(4)}, ckpt_path)
+    w, v = torch.empty(4), torch.empty(4)
+    with pytest.raises(aiockpt.StateMismatchError, match="b: the target ties it to a"):
+        await aiockpt.load({"a": w, "b": w, "c": v}, ckpt_path)
+    await aiockpt.load({"a": w, "b": torch.empty(4), "c": w[:]}, ckpt_path)  # a view alike: equal values
+    assert torch.equal(w, torch.ones(4))
 
 
 @pytest.mark.parametrize("io", IO_CASES.values(), ids=IO_CASES.keys())

@@ -32,8 +32,9 @@ import anyio
 from .._errors import CorruptionError, StorageError
 from .._format import KeyPath, Manifest
 from .._gc import paused
+from .._load._aliasing import memory_of
 from .._load._match import Destination
-from .._load._read import _overlap, memory_of
+from .._load._read import _overlap
 from .._memory import byte_view, plain_cpu, plain_view, view_at
 from .._threads import Aborted, run_sync, run_workers
 from .._tree import render

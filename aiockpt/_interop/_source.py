@@ -22,8 +22,9 @@ import torch
 
 from .._errors import CorruptionError
 from .._format import DictNode, KeyPath, Manifest, Node
+from .._load._aliasing import aliased
 from .._load._match import Destination
-from .._load._read import _check_covered, _overlap, aliased
+from .._load._read import _check_covered, _overlap
 from .._threads import Aborted, run_sync, run_workers
 from .._tree import dtype_name, render
 from ._names import shaped_like

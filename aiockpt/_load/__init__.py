@@ -124,6 +124,7 @@ async def _fill(
             cached=cached,
             checkers=io.checkers,
             limiter=limiter,
+            shared=plan.aliasing,
         )
     await hand_over(plan, limiter)
 

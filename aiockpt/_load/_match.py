@@ -52,6 +52,7 @@ from .._tree import (
     shard_of,
     spelled_int,
 )
+from ._aliasing import Aliasing, aliasing
 from ._mapped import Mapper
 
 
@@ -98,6 +99,7 @@ class LoadPlan:
         statefuls: ``(object, state dict, key path)`` to call ``load_state_dict`` on, innermost first.
         assign: ``(container, key, value)`` to set in the target's own containers, innermost first.
         differences: Every mismatch found.
+        aliasing: The destinations' memory, and those that share an earlier one's (a load in place).
     """
 
     result: dict[Key, object]
@@ -105,6 +107,7 @@ class LoadPlan:
     destinations: dict[int, Destination] = field(default_factory=dict)
     statefuls: list[tuple[object, dict[Key, object], KeyPath]] = field(default_factory=list)
     differences: list[str] = field(default_factory=list)
+    aliasing: Aliasing | None = None
 
 
 def _describe(obj: object) -> str:
@@ -317,6 +320,45 @@ class _Matcher:
         if path in self.schedulers:
             return isinstance(name, str) and name.startswith("_")
         return path in self.groups and name != "params" and (value is None or isinstance(value, bool))
+
+    def apart(self) -> None:
+        """Refuse a memory that the target ties under two keys, of which the checkpoint holds other values.
+
+        Filled one after the other, the memory would keep the later key's values, the earlier key's lost
+        without a word (as ``load_state_dict`` loses them): a model that ties ``lm_head.weight`` to
+        ``embed.weight`` loading a checkpoint of one that does not. Where the two keys' checksums agree
+        (saved alike) the values are one and the load goes on. Otherwise the later key is a difference,
+        found before anything is written, and not loaded (``strict=False``): the memory keeps the
+        earlier key's values. Only the same elements are compared (views alike); memory that partly
+        overlaps another's is read as it comes, later keys last, and so are the keys of a foreign
+        checkpoint (it has no checksums to compare). Sets the plan's ``aliasing``, for the reader.
+        """
+        if self.m.checksum_algorithm == "none":
+            return
+        destinations = self.plan.destinations
+        found = aliasing(destinations)
+        if found.tied:
+            first: dict[tuple[object, ...], int] = {}
+            for index, dest in destinations.items():
+                if not dest.fresh:
+                    first.setdefault(_layout(dest.tensor), index)
+            tensors = self.m.tensors
+            dropped = False
+            for index in found.tied:
+                earlier = first[_layout(destinations[index].tensor)]
+                if earlier == index:
+                    continue
+                if _same_values(tensors[earlier], tensors[index]) is False:
+                    key, other = render(tensors[index].path), render(tensors[earlier].path)
+                    self.diff(
+                        f"{key}: the target ties it to {other} (one memory), the checkpoint holds the two "
+                        "apart, with other values"
+                    )
+                    del destinations[index]
+                    dropped = True
+            if dropped:
+                found = aliasing(destinations)
+        self.plan.aliasing = found
 
     def preallocate(self, unwanted: Collection[int]) -> None:
         """Destinations for every small tensor of the checkpoint, made in bulk (``aiockpt.read``).
@@ -775,6 +817,20 @@ def _tie(dest: Destination, tensor: torch.Tensor, offsets: tuple[int, ...] | Non
     dest.shards = (*dest.shards, Destination(dest.index, tensor, False, offsets=offsets))
 
 
+def _same_values(a: TensorEntry, b: TensorEntry) -> bool | None:
+    """Whether entries ``a`` and ``b`` hold the same values, by their checksums; ``None``: not known.
+
+    Not known where they were stored in other boxes (by other ranks, or sharded otherwise).
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    mine = {(c.offsets, c.sizes): c.checksums for c in a.chunks}
+    theirs = {(c.offsets, c.sizes): c.checksums for c in b.chunks}
+    if mine.keys() != theirs.keys():
+        return None
+    return mine == theirs
+
+
 def _box(t: torch.Tensor, offsets: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Where ``t`` lies in the global tensor: its offsets and shape."""
     return (offsets if offsets is not None else (0,) * t.dim()), tuple(t.shape)
@@ -854,4 +910,6 @@ def match(
         result = m.mapping(manifest.tree, tmpl, (), create=False)
     if state is None:
         m.plan.result = result
+    else:
+        m.apart()
     return m.plan

@@ -41,6 +41,7 @@ from .._pagecache import drop_behind, kept, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
 from .._tree import dtype_from_name, render
+from ._aliasing import Aliasing, Memory, aliasing
 from ._checker import Checker, checker_cpus, pinned, wants_checker
 from ._device import DeviceReader, sink_of
 from ._direct import DirectReads, copy_checked, reads_direct, split_direct
@@ -79,11 +80,11 @@ def _overlap(
     return out
 
 
-def _whole_view(entry: TensorEntry, dest: Destination, memory: _Memory) -> memoryview | None:
+def _whole_view(entry: TensorEntry, dest: Destination, memory: Memory) -> memoryview | None:
     """The destination's bytes, if one chunk holds the whole tensor and can be read straight into them.
 
     The common case of a single-process checkpoint, kept to a few operations per tensor: ``memory`` is
-    the destination's (see ``_Memory``), found already. (Without offsets the target's shape is the
+    the destination's (see ``_aliasing.Memory``), found already. (Without offsets the target's shape is the
     entry's: the matcher checked it.)
     """
     if len(entry.chunks) != 1 or dest.offsets is not None:
@@ -278,96 +279,14 @@ def _render_box(box: Sequence[tuple[int, int]]) -> str:
     return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
 
 
-# A destination's memory, as a load writes it in place: its address, its extent in bytes, and whether it
-# is a plain CPU tensor's (read into straight, see ``_whole_view``); ``None`` for a fresh tensor.
-_Memory = tuple[int, int, bool] | None
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to past its last (its ``nbytes`` where it is contiguous)."""
-    if t.is_contiguous():
-        return t.nbytes
-    if not t.numel():
-        return 0
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
-
-
-# A destination's memory range, for telling overlaps: (start address, stop address, destination order).
-_Span = tuple[int, int, int]
-
-
-def memory_of(destinations: Mapping[int, Destination]) -> tuple[list[_Memory], list[_Span]]:
-    """Each destination's memory (see ``_Memory``), in destination order, and its span where it has bytes.
-
-    One pass, a few calls per destination; the spans are :func:`aliased`'s.
-    """
-    memory: list[_Memory] = []
-    spans: list[_Span] = []
-    for order, dest in enumerate(destinations.values()):
-        if dest.fresh:  # (its memory is new: it overlaps nothing)
-            memory.append(None)
-            continue
-        t = dest.tensor
-        start, plain = t.data_ptr(), plain_cpu(t)
-        n = t.nbytes if plain else _extent(t)
-        memory.append((start, n, plain))
-        if n:
-            spans.append((start, start + n, order))
-    return memory, spans
-
-
-def aliased(destinations: Mapping[int, Destination], spans: list[_Span] | None = None) -> set[int]:
-    """The destinations whose memory overlaps that of an earlier one (keys tied in the target).
-
-    Two keys of a target can share memory (tied weights: ``head.weight = emb.weight``) while the
-    checkpoint stores them apart. Read in place, the later key's bytes would overwrite the earlier one's
-    before its checksum is verified there. Memory is compared by address ranges, CPU and GPU alike (one
-    virtual address space under CUDA's unified addressing; were ranges of two devices ever to coincide,
-    the later destination would only be staged for nothing). Where the ranges of a run of destinations
-    overlap, all but the first in destination order are returned. ``spans`` are :func:`memory_of`'s,
-    if the caller has them (they are sorted here). About 0.2 us per destination when none overlaps.
-    """
-    if spans is None:
-        spans = memory_of(destinations)[1]
-    spans.sort()  # by start: addresses of a template's tensors mostly ascend already (timsort: ~linear)
-    reach = 0
-    for start, stop, _ in spans:
-        if start < reach:
-            return _overlapping(destinations, spans)
-        if stop > reach:
-            reach = stop
-    return set()
-
-
-def _overlapping(destinations: Mapping[int, Destination], spans: list[_Span]) -> set[int]:
-    """:func:`aliased`'s answer, once some of the ``spans`` (sorted by start) are known to overlap.
-
-    Per run of overlapping spans, every destination but the first in destination order.
-    """
-    indices = list(destinations)
-    out: set[int] = set()
-    run: list[int] = []  # destination orders of a run of spans, each overlapping one before it
-    reach = 0
-    for start, stop, order in spans:
-        if run and start < reach:
-            run.append(order)
-            reach = max(reach, stop)
-            continue
-        out.update(indices[o] for o in sorted(run)[1:])
-        run, reach = [order], stop
-    out.update(indices[o] for o in sorted(run)[1:])
-    return out
-
-
 def _staged(
     dest: Destination, entry: TensorEntry, keep: list[torch.Tensor], late: list[Callable[[], None]]
 ) -> Destination:
     """A host tensor to read ``dest`` into instead of its memory, which an earlier destination shares.
 
     Its bytes are verified there, untouched by the other key's, and copied into place (then into
-    ``dest.also``) by ``late``, which runs after every other copy: the later key's values win, as with
-    ``load_state_dict``.
+    ``dest.also``) by ``late``, which runs after every other copy: the later key's values win (the
+    matcher let the two keys through: their values are equal, or not known to differ).
     """
     staging = torch.empty(tuple(dest.tensor.shape), dtype=dtype_from_name(entry.dtype), device="cpu")
     keep.append(staging)
@@ -387,6 +306,7 @@ def prepare(
     *,
     sinks: bool = False,
     where: str | None = None,
+    shared: Aliasing | None = None,
 ) -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor]]:
     """Plan the reads of every destination; return the reads, the copies to run after them, and buffers.
 
@@ -396,6 +316,7 @@ def prepare(
     copy to the device, see ``_device``), the same two cases of a contiguous GPU target are reads into
     the target's bytes; otherwise a GPU target gets a host tensor of its shape, copied after the reads.
     The copies end by waiting for every copy to a GPU. ``where`` names the checkpoint in errors.
+    ``shared``: the matcher's :func:`_aliasing.aliasing` of these destinations, if it made it.
 
     Raises:
         CorruptionError: The chunks of a tensor do not cover all of a destination of it (names the key).
@@ -419,8 +340,9 @@ def prepare(
                 return sizes[:n]
 
     tensors = manifest.tensors
-    memory, spans = memory_of(destinations)
-    tied = aliased(destinations, spans)
+    if shared is None:
+        shared = aliasing(destinations)
+    memory, tied = shared.memory, shared.tied
     late: list[Callable[[], None]] = []  # copies into the memory of tied destinations, in their order
     for (index, dest), mem in zip(destinations.items(), memory, strict=True):
         entry = tensors[index]
@@ -546,6 +468,7 @@ async def read_into(
     cached: Mapping[str, bytes | None] | None = None,
     checkers: bool = True,
     limiter: anyio.CapacityLimiter | None = None,
+    shared: Aliasing | None = None,
 ) -> int:
     """Fill every destination from ``directory``'s data files; return the bytes read.
 
@@ -557,7 +480,8 @@ async def read_into(
     cached before or after. ``direct=True`` reads every run that is not bound for a GPU or mapped so;
     ``False``, none. ``direct_threads`` readers read the direct runs. With ``checkers``, buffered readers
     hand the checks of large blocks to checker threads (see ``_checker`` and ``IOConfig.checkers``), and
-    the direct runs' finisher is pinned like a checker.
+    the direct runs' finisher is pinned like a checker. ``shared``: the matcher's
+    :func:`_aliasing.aliasing` of ``destinations``, if it made it (see :func:`prepare`).
 
     Raises:
         CorruptionError: A block's checksum does not match, or a data file is missing, no regular file
@@ -570,7 +494,9 @@ async def read_into(
 
     def plan_reads() -> tuple[list[_Read], list[Callable[[], None]], list[torch.Tensor], _ByFile, int]:
         with paused():
-            reads, copies, keep = prepare(manifest, destinations, sinks=True, where=str(directory))
+            reads, copies, keep = prepare(
+                manifest, destinations, sinks=True, where=str(directory), shared=shared
+            )
             checksums.extend(r.chunk.checksums for r in reads)
             by_file: dict[str, list[Piece]] = {}
             to_gpu: dict[str, list[Piece]] = {}  # bound for GPU tensors: in runs of their own
