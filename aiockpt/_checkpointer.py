@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import time
@@ -121,11 +122,32 @@ def collect_temp(root: Path, *, dry_run: bool = False) -> list[Path]:
         return removed
     for step in sorted(steps):
         if not os.path.isfile(os.path.join(step, MANIFEST_NAME)):
-            removed += collect_garbage(Path(step), dry_run=dry_run)  # (one gone meanwhile: nothing)
+            try:
+                removed += collect_garbage(Path(step), dry_run=dry_run)  # (one gone meanwhile: nothing)
+            except PermissionError:
+                continue  # a step directory this process may not read: scan_steps names it
     return removed
 
 
-def publish_newer(root: Path, step: int, doomed: Iterable[int], *, locked: bool = True) -> list[Path]:
+def _collect_if_allowed(root: Path) -> None:
+    """:func:`collect_temp` on ``root``, unless this process may not write there. Blocking.
+
+    A reader with no right to write the root (an RL actor following a learner, a read-only mount) has
+    nothing to collect: the writer's next open does it.
+
+    Raises:
+        OSError: Listing or removing failed otherwise.
+    """
+    try:
+        collect_temp(root)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+
+
+def publish_newer(
+    root: Path, step: int, doomed: Iterable[int], *, locked: bool = True
+) -> tuple[list[Path], OSError | None]:
     """Point ``latest`` at ``step`` unless it names a newer committed step; then trash ``doomed``. Blocking.
 
     Every writer of a root updates ``latest`` when it commits a step, from its own index (``step`` is its
@@ -140,21 +162,30 @@ def publish_newer(root: Path, step: int, doomed: Iterable[int], *, locked: bool 
     time, do; other roots have one writer as a rule, and no lock file (two writers committing at the same
     moment may then leave ``latest`` on the older of their steps; loads scan the steps, not ``latest``).
 
+    Retention does not depend on ``latest``: where it cannot be read or replaced (a full disk, a
+    directory in its place) the steps are trashed all the same, and the failure is returned, not raised
+    (on a full disk, a retention that waited for ``latest`` would never free the room for one).
+
     Returns:
-        The trees of the steps trashed, for the caller to remove (see :func:`trash_steps`).
+        The trees of the steps trashed, for the caller to remove (see :func:`trash_steps`), and why
+        ``latest`` could not be read or replaced (``None``: it was, or needed no change).
 
     Raises:
-        OSError: The lock, ``latest`` or a step directory cannot be read or written.
+        OSError: The lock or a step directory cannot be read or written.
     """
     with flocked(root / LATEST_LOCK) if locked else contextlib.nullcontext():
-        current = latest_of(root)
-        if (
-            current != step
-            and (current is None or current < step or not is_checkpoint(root / step_dir_name(current)))
-            and is_checkpoint(root / step_dir_name(step))
-        ):
-            replace_durable(root / LATEST, (step_dir_name(step) + "\n").encode())
-        return list(trash_steps(root, doomed).values())
+        failed: OSError | None = None
+        try:
+            current = latest_of(root)
+            if (
+                current != step
+                and (current is None or current < step or not is_checkpoint(root / step_dir_name(current)))
+                and is_checkpoint(root / step_dir_name(step))
+            ):
+                replace_durable(root / LATEST, (step_dir_name(step) + "\n").encode())
+        except OSError as exc:
+            failed = exc
+        return list(trash_steps(root, doomed).values()), failed
 
 
 def _listed_steps(root: Path) -> list[int]:
@@ -168,13 +199,32 @@ def _listed_steps(root: Path) -> list[int]:
 
 
 def scan_steps(root: Path) -> list[int]:
-    """The committed steps under ``root``, oldest first. Blocking."""
+    """The committed steps under ``root``, oldest first. Blocking.
+
+    A step directory that cannot be read (no permission, an I/O error) is left out with a
+    ``RuntimeWarning`` naming it: the steps around it stay usable (a load resumes from the newest one
+    that can be read).
+
+    Raises:
+        OSError: ``root`` itself cannot be listed.
+    """
     steps = []
     with os.scandir(root) as it:
         for entry in it:
             step = step_of(entry.name)
-            if step is not None and entry.is_dir() and is_checkpoint(Path(entry.path)):
-                steps.append(step)
+            if step is None:
+                continue
+            try:
+                if entry.is_dir() and is_checkpoint(Path(entry.path)):
+                    steps.append(step)
+            except FileNotFoundError:
+                continue  # (deleted meanwhile)
+            except OSError as exc:
+                warnings.warn(
+                    f"step {step} in {root} is left out: cannot read {entry.path}: {exc.strerror or exc}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     return sorted(steps)
 
 
@@ -472,7 +522,7 @@ class Checkpointer:
             try:
                 root.mkdir(parents=True, exist_ok=True)
                 if coordinator:  # the other ranks would race it
-                    collect_temp(root)
+                    _collect_if_allowed(root)
                 return scan_steps(root)
             except (FileExistsError, NotADirectoryError) as exc:
                 blocked = not_a_directory(root)
@@ -739,22 +789,32 @@ class Checkpointer:
             from ._storage._s3 import put, remove
 
             latest = (step_dir_name(steps[-1]) + "\n").encode()
-            await put(root, LATEST, latest, create=False)
+            failed: Exception | None = None
+            try:
+                await put(root, LATEST, latest, create=False)
+            except StorageError as exc:  # retention goes on without it (see publish_newer)
+                failed = exc
             for s in doomed:
                 # The manifest goes first: the step stops being a checkpoint at once, and a crash
                 # mid-way leaves an uncommitted prefix that a later open collects.
                 await remove(root / step_dir_name(s))
             self._steps = [s for s in self._steps if s not in doomed]
+            if failed is not None:
+                raise failed
             return
 
         # `latest` only moves forward: another writer of this root (a Checkpointer in another process,
         # or every rank completing a collective-free step) may have committed a step newer than this
         # index knows, and a save of an older one committing after it must not name its own.
         collective_free = self._part is not None
-        trash = await run_sync(partial(publish_newer, root, steps[-1], doomed, locked=collective_free))
+        trash, failed = await run_sync(
+            partial(publish_newer, root, steps[-1], doomed, locked=collective_free)
+        )
         self._steps = [s for s in self._steps if s not in doomed]
         if trash:
             await self._remove_later(trash)
+        if failed is not None:
+            raise failed
 
     async def _remove_later(self, trash: list[Path]) -> None:
         """Remove the trees of steps retention took out of the root (renamed away), in the background.
@@ -904,7 +964,10 @@ class Checkpointer:
         Each step is yielded once, when a listing first shows it: also a step committed after a newer
         one (two saves in flight, several writers), which a comparison with the newest step yielded
         would miss. A root that vanished (removed to start a run afresh) is waited for: its steps are
-        yielded once it is back.
+        yielded once it is back. A local root made afresh (another directory under the same path, seen
+        missing or not) holds new checkpoints, whatever their numbers: its steps count as new. (An S3
+        root has no such identity: a step number saved again there, after the old one's deletion, is
+        yielded only if some listing saw it missing in between.)
 
         Args:
             poll_interval: Seconds between listings.
@@ -922,12 +985,16 @@ class Checkpointer:
         # that retention removed keeps this as small as the root; a step of that number saved again
         # later, in a root made afresh say, is a new checkpoint and is yielded.)
         # A root missing at the start (being made afresh) has no steps yet: all it will have are new.
-        known = set(await self._listing() or ())
+        first = await self._listing()
+        known, root = (set(first[0]), first[1]) if first is not None else (set(), None)
         while True:
             await anyio.sleep(poll_interval)
-            listed = await self._listing()
-            if listed is None:
-                continue  # the root is gone for now: keep what was known, so nothing is yielded twice
+            found = await self._listing()
+            if found is None:
+                continue  # the root is gone for now: whether it comes back as it was, its identity tells
+            listed, identity = found
+            if identity != root:  # another directory (a run begun afresh): its steps are new
+                known, root = set(), identity
             fresh = [s for s in listed if s not in known]
             known = set(listed)
             if coalesce:
@@ -935,14 +1002,23 @@ class Checkpointer:
             for s in fresh:
                 yield s
 
-    async def _listing(self) -> list[int] | None:
-        """The committed steps (see :meth:`refresh`); ``None`` while the root is missing.
+    async def _listing(self) -> tuple[list[int], tuple[int, int] | None] | None:
+        """The committed steps (see :meth:`refresh`) and the root's identity; ``None`` while it is missing.
+
+        The identity of a local root is its directory's device and inode, taken before the listing: a
+        root removed and made again is another directory. An S3 root has none (``None``).
 
         Raises:
             StorageError: ``root`` cannot be listed for another reason.
         """
+        root = self.root
+        identity: tuple[int, int] | None = None
         try:
-            return await self.refresh()
+            if isinstance(root, Path):
+                with contextlib.suppress(OSError):  # (but its absence: the listing says what is wrong)
+                    st = await run_sync(partial(os.stat, root))
+                    identity = (st.st_dev, st.st_ino)
+            return await self.refresh(), identity
         except StorageError as exc:
             if not isinstance(exc.__cause__, FileNotFoundError):
                 raise

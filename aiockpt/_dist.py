@@ -178,11 +178,14 @@ def _arrival_store(pg: dist.ProcessGroup) -> Store | None:
     return PrefixStore(f"aiockpt/arrivals/{pg.group_name}/", store)
 
 
-# Checkpoint groups by their parent group's ``id``. Each entry keeps its parent alive (``DistWorld.parent``),
-# so the id cannot be reused by another group while the entry stands; an entry whose parent is no longer
-# the group asked for (the default group destroyed and initialised again, in-process restarts do) is
-# replaced, never used: its gloo group belongs to the old world.
-_worlds: dict[int, DistWorld] = {}
+# Checkpoint groups by their parent group's ``id`` and their timeout. Each entry keeps its parent alive
+# (``DistWorld.parent``), so the id cannot be reused by another group while the entry stands; an entry
+# whose parent is no longer the group asked for (the default group destroyed and initialised again,
+# in-process restarts do) is replaced, never used: its gloo group belongs to the old world. A gloo
+# group's timeout is fixed when it is made, so each timeout asked for gets its own, made once: a job
+# that alternated two (a Checkpointer's and aiockpt.save's default) made a group at every switch, each
+# holding its sockets for good.
+_worlds: dict[tuple[int, float], DistWorld] = {}
 _worlds_lock = threading.Lock()
 
 
@@ -198,9 +201,9 @@ def world_for(group: dist.ProcessGroup | None, *, timeout: float = DEFAULT_TIMEO
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return None
     parent = dist.group.WORLD if group is None else group
-    key = id(parent)
+    key = (id(parent), timeout)
     with _worlds_lock:
         world = _worlds.get(key)
-        if world is None or world.parent is not parent or world.timeout != timeout:
+        if world is None or world.parent is not parent:
             world = _worlds[key] = DistWorld(group, timeout=timeout)
         return world

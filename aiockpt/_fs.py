@@ -339,13 +339,19 @@ def flocked(path: Path) -> Iterator[None]:
 
 
 def owner_alive(lock_path: Path) -> bool:
-    """Whether a live process holds the ``flock`` on ``lock_path`` (a temp dir's owner lock)."""
+    """Whether a live process holds the ``flock`` on ``lock_path`` (a temp dir's owner lock).
+
+    The owner holds it exclusively: a shared lock is refused while it lives. Asked so, the file need only
+    be readable: a reader of the root (an RL actor) may have no right to write there, or the root may be
+    mounted read-only, and two processes asking at once do not take each other for an owner. (On NFS,
+    where ``flock`` is a byte-range lock, a shared one needs a descriptor open for reading only.)
+    """
     try:
-        fd = os.open(lock_path, os.O_RDWR)
+        fd = os.open(lock_path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:

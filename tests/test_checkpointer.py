@@ -243,6 +243,111 @@ async def test_existing_step_is_refused_and_untouched(root: Path) -> None:
     assert tmp_entries(root) == []
 
 
+async def test_a_step_directory_without_a_checkpoint_is_refused_as_such(root: Path) -> None:
+    """A torn step directory (no manifest) was refused as if it held a checkpoint, with nothing said of
+    what to do; a file under a step's name likewise."""
+    async with Checkpointer(root) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+        make_dir(root / step_dir(2))
+        write_file(root / step_dir(2) / "data-r00000.bin", b"x")
+        write_file(root / step_dir(3), b"x")
+        await ckpt.refresh()
+        assert ckpt.steps() == [1]
+        with pytest.raises(CheckpointExistsError, match=r"step-00000002 already exists, and holds no "):
+            await ckpt.save(state_for(2), step=2)
+        with pytest.raises(CheckpointExistsError, match=r"step-00000003 already exists, and is no dir"):
+            await ckpt.save(state_for(3), step=3)
+        with pytest.raises(CheckpointExistsError, match=r"step 1 already exists"):
+            await ckpt.save(state_for(1), step=1)
+        assert (root / step_dir(2) / "data-r00000.bin").read_bytes() == b"x"  # untouched
+
+
+async def test_retention_goes_on_where_latest_cannot_be_replaced(root: Path) -> None:
+    """A failure to replace ``latest`` (a full disk; here a directory in its place) skipped retention
+    too: on a full disk no later save could ever succeed, and keep_last stopped holding."""
+    make_dir(root / "latest")
+    async with Checkpointer(root, keep_last=2) as ckpt:
+        for step in range(1, 5):
+            with pytest.warns(RuntimeWarning, match=f"step {step} is committed .* updating `latest`"):
+                await ckpt.save(state_for(step), step=step)
+        await ckpt.wait()
+        assert ckpt.steps() == [3, 4]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [step_dir(3), step_dir(4)]
+
+
+def test_an_unreadable_step_directory_is_left_out_by_name(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step directory that could not be read (no permission) made the whole root unopenable, and
+    the error named the root, not the entry."""
+
+    async def save_three() -> None:
+        async with Checkpointer(root) as ckpt:
+            for step in (1, 2, 3):
+                await ckpt.save(state_for(step), step=step)
+
+    anyio.run(save_three)
+
+    def is_checkpoint(path: Path) -> bool:
+        if path.name == step_dir(3):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return aiockpt._load.is_checkpoint(path)
+
+    monkeypatch.setattr("aiockpt._checkpointer.is_checkpoint", is_checkpoint)
+
+    async def resume() -> int | None:
+        async with Checkpointer(root) as ckpt:
+            target = state_for(0)
+            step = await ckpt.load(target)
+            assert_tree_equal(target, state_for(2))
+            return step
+
+    with pytest.warns(RuntimeWarning, match=r"step 3 in .* is left out: cannot read .*step-00000003: Perm"):
+        assert anyio.run(resume) == 2
+
+
+def test_a_reader_that_may_not_write_the_root_opens_it(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader of a learner's root on a read-only mount (or of another user) could not open it while
+    a save was in flight: the collector opened the save's owner lock for writing, and removing temp data
+    it may not remove failed the open."""
+    from aiockpt import _checkpointer, _fs
+
+    async def save_one() -> None:
+        async with Checkpointer(root) as ckpt:
+            await ckpt.save(state_for(1), step=1)
+
+    anyio.run(save_one)
+    lock = _fs.OwnerLock(root / ".tmp-step-00000002-0123456789ab.lock")  # a save in flight
+    (root / ".tmp-step-00000002-0123456789ab").mkdir()
+    real_open = os.open
+    modes: list[int] = []
+
+    def read_only_open(path: object, flags: int, *args: object) -> int:
+        if str(path).endswith(".lock"):
+            modes.append(flags & os.O_ACCMODE)
+            if flags & os.O_ACCMODE != os.O_RDONLY:
+                raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    def read_only_collect(path: Path, *, dry_run: bool = False) -> list[Path]:
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "open", read_only_open)
+            assert _fs.owner_alive(lock.path)
+        assert modes == [os.O_RDONLY]
+        monkeypatch.setattr(_checkpointer, "collect_temp", read_only_collect)
+
+        async def read() -> None:
+            async with Checkpointer(root) as ckpt:
+                assert_tree_equal(await ckpt.read(), state_for(1))
+
+        anyio.run(read)
+    finally:
+        lock.release()
+
+
 async def test_async_saves(root: Path) -> None:
     async with Checkpointer(root, keep_last=3) as ckpt:
         model = make_model(0)
@@ -542,7 +647,9 @@ async def test_a_failure_after_the_commit_leaves_the_save_committed(
             meta = await handle
         assert handle.state is SaveState.COMMITTED
         assert meta.step == 2
-        assert ckpt.steps() == [1, 2]  # not pruned either: pruning follows the update of `latest`
+        # Retention goes on without `latest` (on a full disk it frees the room for the next save), which
+        # names the step it took out until the next commit replaces it.
+        assert ckpt.steps() == [2]
         assert read_text(root / "latest").strip() == step_dir(1)
         monkeypatch.undo()
         await ckpt.save(state_for(3), step=3)  # the next commit catches up

@@ -11,7 +11,7 @@ import os
 import signal
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -588,3 +588,64 @@ def test_collective_free_per_rank_state_comes_back_to_each_rank(tmp_path: Path) 
     # 0's, its own dataloader key refused).
     path = tmp_path / "ckpt"
     assert run_world(_collective_free_per_rank, 2, tmp_path, str(path), timeout=60) == [[], []]
+
+
+async def _two_checkpointers_in_flight(rank: int, world: int, tmp: str) -> list[str]:
+    """Two Checkpointers of one group, an async save in flight on each; rank 0 writes much for ``a`` and
+    little for ``b``, rank 1 the other way round, so their writes end in opposite orders."""
+    large, tiny = torch.arange(1 << 22, dtype=torch.float32), torch.arange(8, dtype=torch.float32)
+    async with (
+        aiockpt.Checkpointer(Path(tmp) / "a", collective_timeout=60) as a,
+        aiockpt.Checkpointer(Path(tmp) / "b", collective_timeout=60) as b,
+    ):
+        first = await a.save({f"r{rank}": large if rank == 0 else tiny}, step=1, async_op=True)
+        second = await b.save({f"r{rank}": tiny if rank == 0 else large}, step=1, async_op=True)
+        return [(await first).path, (await second).path]
+
+
+def test_two_checkpointers_of_one_group_save_at_once(tmp_path: Path) -> None:
+    """Their exchanges met out of order on the two ranks (each save named by its directory's name only,
+    ``step-00000001`` for both), and rank 0 committed checkpoints built from the other save's votes:
+    reported as saved, then unreadable."""
+    run_world(_two_checkpointers_in_flight, 2, tmp_path, str(tmp_path))
+    for name, sizes in (("a", (1 << 22, 8)), ("b", (8, 1 << 22))):
+        path = tmp_path / name / "step-00000001"
+        for rank, numel in enumerate(sizes):
+            tree = aiockpt.sync.read(path, rank=rank)
+            assert torch.equal(
+                cast("torch.Tensor", tree[f"r{rank}"]), torch.arange(numel, dtype=torch.float32)
+            )
+
+
+async def _save_to_a_path_of_its_own(rank: int, world: int, tmp: str) -> str:
+    try:
+        await aiockpt.save({"x": torch.ones(4)}, Path(tmp) / f"node{rank}" / "ckpt")
+    except aiockpt.DistributedError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_ranks_saving_to_other_paths_fail_alike_before_writing(tmp_path: Path) -> None:
+    """Rank 0 committed its own path and returned, rank 1 (holding no bytes to write) failed with a raw
+    FileNotFoundError reading a manifest from its own path."""
+    results = run_world(_save_to_a_path_of_its_own, 2, tmp_path, str(tmp_path))
+    for rank, message in enumerate(results):
+        assert f"node{rank}/ckpt' met another save in its 'plan' exchange" in message, message
+        assert f"node{1 - rank}/ckpt" in message
+    assert not (tmp_path / "node0" / "ckpt").exists()
+    assert [p.name for p in (tmp_path / "node0").iterdir()] == []  # no temp data either
+
+
+async def _alternate_timeouts(rank: int, world: int, tmp: str) -> int:
+    from aiockpt import _dist
+
+    for i in range(4):
+        async with aiockpt.Checkpointer(Path(tmp) / "root", collective_timeout=100) as ckpt:
+            await ckpt.save({"x": torch.ones(2)}, step=i)
+        await aiockpt.save({"x": torch.ones(2)}, Path(tmp) / f"plain-{i}")  # the default timeout
+    return len(_dist._worlds)
+
+
+def test_checkpoint_groups_of_two_timeouts_are_made_once_each(tmp_path: Path) -> None:
+    """Each switch between two timeouts made a new gloo group, never destroyed: 5 sockets more a time."""
+    assert run_world(_alternate_timeouts, 2, tmp_path, str(tmp_path)) == [2, 2]

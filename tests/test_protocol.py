@@ -6,6 +6,7 @@ returns the messages another rank would have sent, to reach a state that real ra
 
 from __future__ import annotations
 
+import asyncio
 from typing import cast
 
 import pytest
@@ -93,3 +94,25 @@ async def test_a_failure_in_trees_ends_the_protocol() -> None:
         exchanges.check("trees", statuses)
     await exchanges.abort("failed")  # nothing more to take part in
     assert peer.steps == ["plan", "trees"]
+
+
+async def test_saves_over_one_group_exchange_one_at_a_time_in_the_order_begun() -> None:
+    """Two saves over one group in flight (two Checkpointers of one process group): their exchanges went
+    in the order each one's stages ended, which differs between ranks, and one save's vote met the
+    other's on another rank. A save that ends before its turn does not hold up those after it."""
+    peer = _Peer(7)
+    world = cast("World", peer)
+    first, failed, third = (Exchanges(world, save="s") for _ in range(3))
+    later = asyncio.ensure_future(third.exchange("plan", Status(ok=True, digest=7)))
+    await asyncio.sleep(0.05)
+    assert not later.done()
+    assert peer.steps == []
+    await first.exchange("plan", Status(ok=True, digest=7))
+    await first.exchange("vote", Status(ok=True))
+    failed.close()  # (it failed in its stage, before any exchange)
+    await asyncio.sleep(0.05)
+    assert not later.done()
+    first.close()
+    await asyncio.wait_for(later, 5)
+    third.close()
+    assert peer.steps == ["plan", "vote", "plan"]

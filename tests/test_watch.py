@@ -110,6 +110,32 @@ async def test_watch_outlives_its_root_being_removed_and_made_again(root: Path) 
         assert_tree_equal(target, filled(1))
 
 
+async def test_watch_yields_the_steps_of_a_root_made_afresh_under_the_old_numbers(
+    root: Path, tmp_path: Path
+) -> None:
+    """A root swapped for a new run's between two polls (no poll saw it missing), with the step numbers
+    the old run had: the watch kept the old numbers as known, and never yielded the new checkpoints."""
+    async with Checkpointer(root) as writer:
+        for step in (10, 20):
+            await writer.save(filled(step), step=step)
+    fresh = tmp_path / "fresh"
+    async with Checkpointer(fresh) as writer:
+        for step in (10, 20):
+            await writer.save(filled(-step), step=step)
+    async with (
+        Checkpointer(root) as watcher,
+        contextlib.aclosing(watcher.watch(poll_interval=0.02)) as steps,
+    ):
+        pending = await started(steps)
+        root.rename(tmp_path / "old")
+        fresh.rename(root)
+        with anyio.fail_after(10):
+            assert await pending == 20
+        target = filled(0)
+        assert await watcher.load(target) == 20
+        assert_tree_equal(target, filled(-20))
+
+
 async def test_a_watch_begun_while_the_root_is_missing_waits_for_it(root: Path) -> None:
     """A watch (re)started while the learner makes the root afresh used to raise ``StorageError`` at its
     first listing, though a root missing at any later poll is waited out."""

@@ -135,6 +135,18 @@ def _manifest(
 
 def _check_target(path: Path) -> None:
     if os.path.lexists(path):
+        if os.path.isdir(path) and not os.path.lexists(path / MANIFEST_NAME):
+            # Never one of aiockpt's (a save publishes its directory whole, manifest included): a copy
+            # being made, a checkpoint whose manifest was removed... not aiockpt's to replace either.
+            raise CheckpointExistsError(
+                f"{path} already exists, and holds no checkpoint (no {MANIFEST_NAME}: not one that a save "
+                "completed); aiockpt never overwrites what is there: remove it to save there"
+            )
+        if not os.path.isdir(path):
+            raise CheckpointExistsError(
+                f"{path} already exists, and is no directory (a file where the checkpoint would go); aiockpt "
+                "never overwrites what is there: remove it to save there"
+            )
         raise CheckpointExistsError(f"{path} already exists; aiockpt never overwrites a checkpoint")
     # The temp name is cut to fit (see temp_name): a name too long would only fail at the commit.
     if len(os.fsencode(path.name)) > NAME_MAX:
@@ -338,7 +350,7 @@ async def _save(
         DistributedError: Another rank failed or was cancelled (names the ranks), or a collective timed out.
     """
     coordinator = world.rank == 0
-    exchanges = Exchanges(world, save=req.path.name)
+    exchanges = Exchanges(world, save=str(req.path))
     staged: Staged | None = None
     target = _target(req, limiter)
     try:
@@ -406,7 +418,17 @@ async def _save(
         with anyio.CancelScope(shield=True):
             if summary is not None:
                 await target.published()
-            statuses = await exchanges.exchange("outcome", outcome)
+            try:
+                statuses = await exchanges.exchange("outcome", outcome)
+            except DistributedError as exc:
+                if summary is not None:
+                    raise
+                # Rank 0 may have died after its commit: the checkpoint is then there, complete.
+                raise DistributedError(
+                    f"{exc}; whether rank 0 published {req.path} before that is unknown here: a load "
+                    "finds it if it did",
+                    ranks=exc.ranks,
+                ) from exc
             exchanges.settled = True
             if not statuses[0].ok:
                 raise DistributedError(f"rank 0 did not publish {req.path}: {statuses[0].error}", ranks=[0])
@@ -419,6 +441,7 @@ async def _save(
             await target.discard()
         raise
     finally:
+        exchanges.close()  # the next save over this group may take its exchanges
         if staged is not None:
             with anyio.CancelScope(shield=True):
                 await _give_back(pool, staged, limiter)

@@ -6,6 +6,11 @@
     vote     after writing     every rank's checksums, or why it failed
     outcome  after the commit  rank 0 says whether the checkpoint was published
 
+Saves over one checkpoint group (two Checkpointers on one process group, say) take their exchanges one
+save at a time, in the order the saves began on this rank (see :class:`_Turns`): so on every rank, when
+each began its saves in the same order. Each save is named in its exchanges by its full path, so ranks
+that meet in different saves (begun in other orders, or to other paths) fail instead of mixing them.
+
 Whether ``trees`` takes place follows from the statuses of ``plan``, which every rank sees alike, so every
 rank skips it or takes part in it. A rank that fails or is cancelled still takes part in every remaining
 exchange, with a failed status (shielded from cancellation), so no rank waits for it until a timeout and
@@ -16,6 +21,9 @@ yet) ends the protocol there for everyone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+import weakref
 from functools import partial
 
 import msgspec
@@ -60,16 +68,92 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+class _Turns:
+    """Which save over one checkpoint group may take its exchanges: one at a time, in the order begun.
+
+    Two saves over one group in flight at once (two Checkpointers of one process group, each with an
+    ``async_op=True`` save) took their exchanges in whatever order their stages ended, which differs
+    from rank to rank: one save's vote met the other's. Each save takes a ticket when it begins; its
+    first exchange waits until every save of an earlier ticket is done with its exchanges. Staging and
+    planning still overlap. Thread-safe, and for saves of any event loop (the blocking facade's too).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0  # the next ticket
+        self._serving = 0  # the ticket whose save may exchange now
+        self._finished: set[int] = set()  # tickets done out of order (a save that failed while waiting)
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    def take(self) -> int:
+        with self._lock:
+            ticket, self._next = self._next, self._next + 1
+            return ticket
+
+    async def wait(self, ticket: int) -> None:
+        """Return once the saves of every earlier ticket are finished."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                if self._serving == ticket:
+                    return
+                turn: asyncio.Future[None] = loop.create_future()
+                self._waiters.append((loop, turn))
+            await turn
+
+    def finish(self, ticket: int) -> None:
+        """The save of ``ticket`` is done with its exchanges (or will take none)."""
+        with self._lock:
+            self._finished.add(ticket)
+            while self._serving in self._finished:
+                self._finished.remove(self._serving)
+                self._serving += 1
+            waiters, self._waiters = self._waiters, []
+        for loop, turn in waiters:
+            with contextlib.suppress(RuntimeError):  # (a loop closed meanwhile: its save is gone)
+                loop.call_soon_threadsafe(_wake, turn)
+
+
+def _wake(turn: asyncio.Future[None]) -> None:
+    if not turn.done():
+        turn.set_result(None)
+
+
+_turns: weakref.WeakKeyDictionary[World, _Turns] = weakref.WeakKeyDictionary()
+_turns_lock = threading.Lock()
+
+
+def _turns_of(world: World) -> _Turns:
+    with _turns_lock:
+        turns = _turns.get(world)
+        if turns is None:
+            turns = _turns[world] = _Turns()
+        return turns
+
+
 class Exchanges:
-    """The state of one save's protocol on this rank."""
+    """The state of one save's protocol on this rank.
+
+    Made when the save begins (it takes the save's turn, see :class:`_Turns`); :meth:`close` must follow,
+    once the save is over.
+    """
 
     def __init__(self, world: World, save: str = "") -> None:
         self.world = world
-        self.save = save  # the same on every rank for one save (its directory's name)
+        self.save = save  # the same on every rank for one save (its full path)
         self.done = 0  # exchanges begun
         self.settled = False  # every rank knows the outcome; no exchange remains
         self._pending: asyncio.Task[list[bytes]] | None = None
         self._pending_step = ""
+        self._turns = _turns_of(world) if world.size > 1 else None
+        self._ticket = self._turns.take() if self._turns is not None else -1
+        self._turn = self._turns is None  # whether this save may exchange
+
+    def close(self) -> None:
+        """Let the next save over this group exchange (this one takes no further exchange)."""
+        if self._turns is not None and self._ticket >= 0:
+            self._turns.finish(self._ticket)
+            self._ticket = -1
 
     @property
     def next_step(self) -> str:
@@ -88,6 +172,10 @@ class Exchanges:
         :meth:`abort` later reads its result to know which exchanges remain.
         """
         assert STEPS[self.done] == step, f"exchange {step!r} out of order"
+        if not self._turn:
+            assert self._turns is not None
+            await self._turns.wait(self._ticket)
+            self._turn = True
         status = msgspec.structs.replace(status, save=self.save, step=step)
         # A large payload is copied into the message in a thread. Cancelled meanwhile, this rank has not
         # begun the exchange yet.
@@ -120,8 +208,9 @@ class Exchanges:
         self.settled = True
         where = "; ".join(f"rank {r} in {s.step!r} of {s.save!r}" for r, s in sorted(elsewhere.items()))
         raise DistributedError(
-            f"the save of {self.save!r} met another save in its {step!r} exchange ({where}): saves on one "
-            "process group must be made in the same order on every rank, one at a time",
+            f"the save of {self.save!r} met another save in its {step!r} exchange ({where}): every rank of "
+            "a process group saves to the same path (one directory they share), and begins its saves in "
+            "the same order",
             ranks=sorted(elsewhere),
         )
 
