@@ -6,7 +6,6 @@ import contextlib
 import errno
 import os
 import re
-import time
 import uuid
 import warnings
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
@@ -231,19 +230,18 @@ def scan_steps(root: Path) -> list[int]:
 async def _scan_objects(root: S3Path, *, collect: bool) -> list[int]:
     """The committed steps under an S3 ``root``; with ``collect``, delete abandoned uncommitted ones.
 
-    A step prefix without a manifest belongs to a save in progress (here or in another process) unless
-    its newest object is older than ``stale_after``: only then is it deleted.
+    A step prefix without a manifest holds saves in progress (here or in another process) and abandoned
+    ones: only the objects of abandoned saves are deleted (see ``_storage._s3_lease``).
     """
-    from ._storage._s3 import children, delete
+    from ._storage._s3_lease import children, clear
 
     steps = []
-    horizon = time.time() - root.options.stale_after
-    for name, (done, newest, keys) in (await children(root)).items():
+    for name, found in (await children(root)).items():
         step = step_of(name)
-        if step is not None and done:
+        if step is not None and found.committed:
             steps.append(step)
-        elif step is not None and collect and newest < horizon:
-            await delete(root / name, keys)
+        elif step is not None and collect:
+            await clear(root / name, strict=False)
     return sorted(steps)
 
 

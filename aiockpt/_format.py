@@ -1,6 +1,7 @@
 """The on-disk format: versioned, frozen msgspec schemas and their codecs.
 
-A committed checkpoint directory holds ``manifest.msgpack`` and one ``data-rNNNNN.bin`` per writing rank.
+A committed checkpoint directory holds ``manifest.msgpack`` and one ``data-rNNNNN.bin`` per writing rank
+(on an object store ``data-rNNNNN-<token>.bin``, the token unique to the save).
 The manifest file is an :class:`Envelope` whose ``body`` is an encoded :class:`Manifest`; the envelope
 carries the format version and a CRC32C of the body, so a reader can refuse a newer format, or detect a
 damaged manifest, before decoding anything else. Data files hold raw little-endian tensor bytes at the
@@ -50,9 +51,13 @@ KeyPath = tuple[Key, ...]
 MAX_READ_DEPTH = 256
 
 
-def data_file_name(rank: int) -> str:
-    """Return the name of the data file written by ``rank``."""
-    return f"data-r{rank:05d}.bin"
+def data_file_name(rank: int, tag: str = "") -> str:
+    """Return the name of the data file written by ``rank``.
+
+    ``tag`` (a save's token, on object stores) makes the name unique to one save: ``data-rNNNNN-<tag>.bin``.
+    Local checkpoints use the plain name. Readers take any plain name a manifest gives.
+    """
+    return f"data-r{rank:05d}-{tag}.bin" if tag else f"data-r{rank:05d}.bin"
 
 
 PART_RE = re.compile(r"rank-(\d{5,})-of-(\d{5,})")

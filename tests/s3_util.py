@@ -3,7 +3,7 @@
 ``s3_server()`` starts ``python -m moto.server`` in a subprocess on a free port (bounded start-up, always
 stopped), ``S3Server.bucket()`` makes a bucket and ``S3Server.env()`` points the standard AWS variables
 at the server, so that ``s3://`` URLs work as they would against a real store. ``FaultProxy`` sits
-between the client and the server and fails chosen UploadPart requests.
+between the client and the server and fails, delays or holds chosen requests.
 
 Multipart parts may be as small as ``MIN_PART`` bytes here (the server is started with a lower minimum
 than S3's 5 MiB), so tests exercise multipart uploads with small tensors.
@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -129,6 +129,12 @@ class FaultProxy:
         failed: UploadPart requests failed so far.
         passed: UploadPart requests forwarded so far.
         delay: Seconds each forwarded UploadPart request waits first (a slow link).
+        refuse: When set, a predicate on (method, path with query): a request it accepts is answered
+            ``503 SlowDown`` at once, without reaching the server.
+        stall: When set, a predicate on (method, path with query): a request it accepts is held, never
+            forwarded, and answered ``503`` on :meth:`release` or when the proxy closes (the client may
+            retry it; one still in flight when its client died never lands).
+        stalled: Set once a request was held.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -138,6 +144,10 @@ class FaultProxy:
         self.failed = 0
         self.passed = 0
         self.delay = 0.0
+        self.refuse: Callable[[str, str], bool] | None = None
+        self.stall: Callable[[str, str], bool] | None = None
+        self.stalled = threading.Event()
+        self._released = threading.Event()
         self._lock = threading.Condition()
         self._server = _Server(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -151,6 +161,7 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._released.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)
@@ -168,6 +179,11 @@ class FaultProxy:
             self._lock.notify_all()
             return False
 
+    def release(self) -> None:
+        """Answer the held requests (``503``); hold no more."""
+        self.stall = None
+        self._released.set()
+
     def wait_passed(self, count: int, timeout: float) -> bool:
         """Block until ``count`` UploadPart requests were forwarded; ``False`` on timeout."""
         with self._lock:
@@ -182,16 +198,25 @@ class FaultProxy:
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
+            def _slow_down(self) -> None:
+                reply = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
+                self.send_response(503)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
             def _forward(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                if proxy._fail(self.command, self.path):
-                    reply = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(reply)))
-                    self.end_headers()
-                    self.wfile.write(reply)
+                if proxy.stall is not None and proxy.stall(self.command, self.path):
+                    proxy.stalled.set()
+                    proxy._released.wait()
+                    self._slow_down()
+                    return
+                refused = proxy.refuse is not None and proxy.refuse(self.command, self.path)
+                if refused or proxy._fail(self.command, self.path):
+                    self._slow_down()
                     return
                 if self.command == "PUT" and "partNumber=" in self.path:
                     time.sleep(proxy.delay)

@@ -293,7 +293,8 @@ async def test_a_huge_fresh_tensor_on_object_storage_is_refused_before_it_is_all
     assert isinstance(location, S3Path)
     m = await read_manifest(location)
     n = 1 << 40
-    chunk = Chunk(offsets=(0,), sizes=(n,), file="data-r00000.bin", offset=0, nbytes=n, checksums=(0,))
+    name = m.tensors[0].chunks[0].file  # (on a store, named with the save's token)
+    chunk = Chunk(offsets=(0,), sizes=(n,), file=name, offset=0, nbytes=n, checksums=(0,))
     entry = TensorEntry(path=("huge",), dtype="uint8", shape=(n,), chunks=(chunk,))
     tree = DictNode(keys=(*m.tree.keys, "huge"), values=(*m.tree.values, TensorNode(index=len(m.tensors))))
     forged = msgspec.structs.replace(m, tensors=(*m.tensors, entry), tree=tree, checksum_block=n)
@@ -301,7 +302,7 @@ async def test_a_huge_fresh_tensor_on_object_storage_is_refused_before_it_is_all
     with pytest.raises(aiockpt.CorruptionError, match="data file is truncated") as info:
         await aiockpt.read(url)
     assert info.value.key == "huge"
-    assert info.value.file == f"{url}/data-r00000.bin"
-    await obstore.delete_async(store(location), "huge/data-r00000.bin")
+    assert info.value.file == f"{url}/{name}"
+    await obstore.delete_async(store(location), f"huge/{name}")
     with pytest.raises(aiockpt.CorruptionError, match="data file is missing"):
         await aiockpt.read(url)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -73,6 +74,21 @@ async def keys(bucket: str, prefix: str) -> list[str]:
     return sorted(m["path"] for m in found)
 
 
+# The token of a save, in the names of its objects on S3 (``data-rNNNNN-<token>.bin``).
+TOKEN = re.compile(r"(?<=-)[0-9a-f]{16}(?=\.bin$|\.json$)")
+
+
+def untokened(names: Sequence[str]) -> list[str]:
+    """``names`` with each save's token replaced by ``<token>``, sorted."""
+    return sorted(TOKEN.sub("<token>", n) for n in names)
+
+
+def token_of(name: str) -> str:
+    found = TOKEN.search(name)
+    assert found is not None, name
+    return found[0]
+
+
 def mixed_state(seed: int) -> dict[str, object]:
     gen = torch.Generator().manual_seed(seed)
     dtypes = [getattr(torch, n) for n in DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)]
@@ -107,9 +123,10 @@ async def test_round_trip_of_a_mixed_state_with_multipart_uploads(server: S3Serv
     assert await aiockpt.read_metadata(url, s3=OPTS) == msgspec.structs.replace(
         meta, timings={}, written_bytes=0, direct_bytes=0
     )
-    assert [f.name for f in meta.files] == ["data-r00000.bin"]
+    # On S3, a data object's name carries its save's token (racing saves never share an object).
+    assert untokened([f.name for f in meta.files]) == ["data-r00000-<token>.bin"]
     assert await keys(bucket, "run1/ckpt-a") == [
-        "run1/ckpt-a/data-r00000.bin",
+        f"run1/ckpt-a/{meta.files[0].name}",
         "run1/ckpt-a/manifest.msgpack",
     ]
     assert server.multipart_uploads(bucket) == 0
@@ -186,24 +203,24 @@ async def test_missing_and_incomplete_checkpoints_are_not_loaded(bucket: str) ->
 async def test_corruption_names_the_key_and_the_object_url(bucket: str) -> None:
     url = f"s3://{bucket}/c"
     state = {"a": torch.arange(1000, dtype=torch.int64), "b": torch.ones(BIG)}
-    await aiockpt.save(state, url, io=IO, s3=OPTS)
+    name = (await aiockpt.save(state, url, io=IO, s3=OPTS)).files[0].name
     manifest = await aiockpt.read(url)
     assert_tree_equal(manifest, state)
     store = client(bucket)
-    data = bytearray(await (await obstore.get_async(store, "c/data-r00000.bin")).bytes_async())
+    data = bytearray(await (await obstore.get_async(store, f"c/{name}")).bytes_async())
     data[len(data) - 5] ^= 0x40  # inside "b", stored last
-    await obstore.put_async(store, "c/data-r00000.bin", bytes(data))
+    await obstore.put_async(store, f"c/{name}", bytes(data))
     with pytest.raises(CorruptionError) as info:
         await aiockpt.load({"a": torch.zeros(1000, dtype=torch.int64), "b": torch.zeros(BIG)}, url, s3=OPTS)
     assert info.value.key == "b"
-    assert info.value.file == f"{url}/data-r00000.bin"
-    assert f"{url}/data-r00000.bin" in str(info.value)
+    assert info.value.file == f"{url}/{name}"
+    assert f"{url}/{name}" in str(info.value)
     assert "'b'" in str(info.value)
 
-    await obstore.put_async(store, "c/data-r00000.bin", bytes(data[:100]))
+    await obstore.put_async(store, f"c/{name}", bytes(data[:100]))
     with pytest.raises(CorruptionError, match="truncated"):
         await aiockpt.read(url)
-    await obstore.delete_async(store, "c/data-r00000.bin")
+    await obstore.delete_async(store, f"c/{name}")
     with pytest.raises(CorruptionError, match="missing"):
         await aiockpt.read(url)
 
@@ -222,11 +239,11 @@ async def test_checkpointer_steps_latest_retention_and_resume(bucket: str) -> No
         with pytest.raises(CheckpointExistsError):
             await ckpt.save({"w": torch.zeros(1)}, step=4)
     listed = await keys(bucket, "run")
-    assert listed == [
+    assert untokened(listed) == [
         "run/latest",
-        "run/step-00000003/data-r00000.bin",
+        "run/step-00000003/data-r00000-<token>.bin",
         "run/step-00000003/manifest.msgpack",
-        "run/step-00000004/data-r00000.bin",
+        "run/step-00000004/data-r00000-<token>.bin",
         "run/step-00000004/manifest.msgpack",
     ]
     latest = await (await obstore.get_async(client(bucket), "run/latest")).bytes_async()
@@ -253,14 +270,16 @@ async def test_checkpointer_collects_only_stale_incomplete_steps(bucket: str) ->
         assert ckpt.steps() == [1]
     assert "gc/step-00000002/data-r00000.bin" in await keys(bucket, "gc")
 
-    await anyio.sleep(1.1)  # object stores keep mtimes in whole seconds
+    # Object stores keep mtimes in whole seconds, and ages go by the server's clock read the same way:
+    # an age may come out up to 2 s short, so 1 s of age is sure after 3 s and a bit.
+    await anyio.sleep(3.2)
     stale = S3Options(part_size=OPTS.part_size, stale_after=1.0)
     async with Checkpointer(root, s3=stale) as ckpt:
         assert ckpt.steps() == [1]
         assert ckpt.latest_step() == 1
-    assert await keys(bucket, "gc") == [
+    assert untokened(await keys(bucket, "gc")) == [
         "gc/latest",
-        "gc/step-00000001/data-r00000.bin",
+        "gc/step-00000001/data-r00000-<token>.bin",
         "gc/step-00000001/manifest.msgpack",
     ]
 
@@ -319,7 +338,7 @@ async def test_upload_failing_mid_way_leaves_nothing_and_keeps_earlier_checkpoin
             with pytest.raises(StorageError) as info:
                 await ckpt.save({"big": torch.full((BIG,), 2.0)}, step=2)
             assert time.monotonic() - started < 20
-            assert f"{root}/step-00000002/data-r00000.bin" in str(info.value)
+            assert f"{root}/step-00000002/data-r00000-" in str(info.value)
             assert proxy.failed >= 1
             assert ckpt.steps() == [1]
     assert server.multipart_uploads(bucket) == 0  # the client aborted it
@@ -372,7 +391,9 @@ async def _save_sharded(rank: int, world: int, url: str) -> list[str]:
 def test_distributed_save_uploads_one_object_per_rank(bucket: str, tmp_path: Path) -> None:
     url = f"s3://{bucket}/dist"
     files = run_world(_save_sharded, 2, tmp_path, url, timeout=60)
-    assert files == [["data-r00000.bin", "data-r00001.bin"]] * 2
+    assert files[0] == files[1]
+    assert untokened(files[0]) == ["data-r00000-<token>.bin", "data-r00001-<token>.bin"]
+    assert len({token_of(name) for name in files[0]}) == 1  # rank 0's token, on every rank
     tree = anyio.run(partial(aiockpt.read, url, s3=OPTS))
     assert_tree_equal(tree, {"w": torch.arange(BIG * 2, dtype=torch.float32), "step": 7})
 

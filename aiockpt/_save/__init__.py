@@ -93,10 +93,10 @@ def _merge_trees(gathered: list[memoryview]) -> Merged:
         return merge([t for t, _ in trees], [s for _, s in trees])
 
 
-def _plan_global(gathered: list[memoryview], merged: Merged | None) -> GlobalPlan:
+def _plan_global(gathered: list[memoryview], merged: Merged | None, tag: str) -> GlobalPlan:
     with paused():
         plans = [_LOCAL_PLAN.decode(b) for b in gathered]
-        plan = global_plan(plans, *((merged.own, merged.shared) if merged is not None else ()))
+        plan = global_plan(plans, *((merged.own, merged.shared) if merged is not None else ()), tag=tag)
         box: list[object] = [plans]
         del plans
         dismantle(box)
@@ -219,13 +219,16 @@ def discard_tmp(tmp: Path, lock: OwnerLock) -> None:
 class Target(Protocol):
     """The storage side of one save on one rank: a local directory or an S3 prefix.
 
-    Rank 0 (the coordinator) calls :meth:`check` and :meth:`prepare`, whose token reaches every rank's
-    :meth:`write`, then :meth:`commit` and :meth:`published`; other ranks call :meth:`summary` once rank 0
-    committed. Every rank calls :meth:`discard` (shielded) when the save fails before its commit.
+    Every rank runs the whole save inside :meth:`hold`. Rank 0 (the coordinator) calls :meth:`check` and
+    :meth:`prepare`, whose token reaches every rank's :meth:`tag` (what the global plan names data files
+    with) and :meth:`write`, then :meth:`commit` and :meth:`published`; other ranks call :meth:`summary`
+    once rank 0 committed. Every rank calls :meth:`discard` (shielded) when the save fails before its commit.
     """
 
+    async def hold(self, body: Callable[[], Awaitable[Metadata]]) -> Metadata: ...
     async def check(self) -> None: ...
     async def prepare(self) -> str: ...
+    def tag(self, token: str) -> str: ...
     async def write(
         self, token: str, plan: RankPlan, sources: Sequence[memoryview], io: IOConfig
     ) -> WriteResult: ...
@@ -243,12 +246,18 @@ class _LocalTarget:
         self.limiter = limiter
         self.tmp: tuple[Path, OwnerLock] | None = None
 
+    async def hold(self, body: Callable[[], Awaitable[Metadata]]) -> Metadata:
+        return await body()
+
     async def check(self) -> None:
         await run_sync(partial(_check_target, self.path), self.limiter)
 
     async def prepare(self) -> str:
         self.tmp = await acquire_sync(partial(_prepare_target, self.path), self.limiter)
         return self.tmp[0].name
+
+    def tag(self, token: str) -> str:
+        return ""  # the temp directory is the save's own: its files keep their plain names
 
     async def write(
         self, token: str, plan: RankPlan, sources: Sequence[memoryview], io: IOConfig
@@ -349,10 +358,28 @@ async def _save(
         StorageError: Writing failed (e.g. disk full); earlier checkpoints are untouched.
         DistributedError: Another rank failed or was cancelled (names the ranks), or a collective timed out.
     """
+    target = _target(req, limiter)
+    return await target.hold(
+        partial(
+            _save_to, target, req, world=world, pool=pool, metrics=metrics, report=report, limiter=limiter
+        )
+    )
+
+
+async def _save_to(
+    target: Target,
+    req: SaveRequest,
+    *,
+    world: World,
+    pool: StagingPool,
+    metrics: SaveMetrics,
+    report: Callable[[SaveState], None],
+    limiter: anyio.CapacityLimiter | None = None,
+) -> Metadata:
+    """:func:`_save` on ``target``, inside its :meth:`Target.hold`."""
     coordinator = world.rank == 0
     exchanges = Exchanges(world, save=str(req.path))
     staged: Staged | None = None
-    target = _target(req, limiter)
     try:
         # --- stage and local plan: this rank alone
         check_metadata(cast("Mapping[object, object]", req.user_metadata))  # before a byte is written
@@ -383,7 +410,8 @@ async def _save(
             merged = await run_sync(partial(_merge_trees, [s.payload for s in trees]), limiter)
             del trees
         del local
-        plan = await run_sync(partial(_plan_global, [s.payload for s in statuses], merged), limiter)
+        tag = target.tag(statuses[0].tmp)  # (rank 0's token, the same on every rank)
+        plan = await run_sync(partial(_plan_global, [s.payload for s in statuses], merged, tag), limiter)
         metrics.phase("global_plan")
 
         # --- write: this rank's chunks

@@ -68,7 +68,11 @@ def _append(writes: list[tuple[int, int]], j: int, t: int) -> bool:
 
 
 def global_plan(
-    plans: Sequence[LocalPlan], own: Sequence[frozenset[int]] = (), paired: Sequence[Mapping[int, int]] = ()
+    plans: Sequence[LocalPlan],
+    own: Sequence[frozenset[int]] = (),
+    paired: Sequence[Mapping[int, int]] = (),
+    *,
+    tag: str = "",
 ) -> GlobalPlan:
     """Assign every chunk held by any rank to exactly one writer and a file offset.
 
@@ -78,7 +82,8 @@ def global_plan(
     each a tensor of its own in the manifest that ``r`` writes, after rank 0's. ``paired[r]`` (with
     ``own``) maps each other item of rank ``r`` to the tensor of rank 0 it stands for, as the tree merge
     paired them (a tie may list it under another key on another rank); a rank 0 tensor that is also its
-    per-rank state (a tie) is rank 0's to write, and the others' copies of it are let go.
+    per-rank state (a tie) is rank 0's to write, and the others' copies of it are let go. ``tag`` goes
+    into every data file's name (see :func:`~aiockpt._format.data_file_name`).
 
     Raises:
         StateError: Ranks disagree on a tensor's dtype or global shape, naming the key and the ranks, or
@@ -172,7 +177,7 @@ def global_plan(
         # was built in that order (noted as it grew): sorting 10^4 pairs is one C call holding the GIL.
         if unsorted[rank]:
             assigned.sort()
-        file = data_file_name(rank)
+        file = data_file_name(rank, tag)
         items = plans[rank].items
         pos = 0
         writes = []

@@ -36,9 +36,16 @@ class S3Options:
         max_retries: Retries of a failed request (5xx, throttling, dropped connections), with
             exponential backoff and jitter.
         retry_timeout: Seconds after which a request is no longer retried.
-        stale_after: Seconds after which :class:`~aiockpt.Checkpointer` treats the objects of an
-            uncommitted step (no manifest) as abandoned and deletes them when it opens. A save still
-            running in another process must never take that long.
+        stale_after: Seconds after which the objects of an uncommitted save that holds no lease (written
+            by releases that took none) count as abandoned: a :class:`~aiockpt.Checkpointer` deletes them
+            when it opens, and a save to their prefix deletes them first. Saves of this release are judged
+            by their lease instead (see ``lease_timeout``).
+        lease_timeout: Seconds a save's lease object may go unrenewed before other processes count the save
+            as abandoned and delete its objects. A running save renews it every ``lease_timeout / 8``, and
+            fails rather than commit once it could not renew it for ``lease_timeout / 2``; the event loop
+            that runs a save must never stall that long. A save whose process is gone from this host (the
+            same boot and PID namespace) counts as abandoned at once. The save's own value is written into
+            its lease and is the one others go by.
     """
 
     endpoint: str | None = None
@@ -48,6 +55,7 @@ class S3Options:
     max_retries: int = 10
     retry_timeout: float = 180.0
     stale_after: float = 3600.0
+    lease_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.part_size < 1:
@@ -56,6 +64,8 @@ class S3Options:
             raise CheckpointError(f"S3Options.concurrency must be at least 1, not {self.concurrency}")
         if self.max_retries < 0 or self.retry_timeout < 0 or self.stale_after < 0:
             raise CheckpointError("S3Options.max_retries, retry_timeout and stale_after must be >= 0")
+        if not self.lease_timeout > 0:
+            raise CheckpointError(f"S3Options.lease_timeout must be positive, not {self.lease_timeout}")
 
 
 @dataclass(frozen=True)

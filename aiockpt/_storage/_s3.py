@@ -2,9 +2,12 @@
 
 An object store has no rename, so the commit point is the manifest object itself: every rank uploads its
 data object straight under the checkpoint's prefix and verifies its size, then the coordinator puts
-``manifest.msgpack`` with a create-only (``If-None-Match: *``) request. A prefix without a manifest is an
-uncommitted save: never listed, never loaded, deleted by the save that wrote it when it fails, or by a
-:class:`~aiockpt.Checkpointer` once older than ``S3Options.stale_after``.
+``manifest.msgpack`` with a create-only (``If-None-Match: *``) request. Every object of a save carries a
+token unique to that save in its name (``data-rNNNNN-<token>.bin``), so that saves racing to one prefix
+never touch each other's objects: one commits, the others fail and delete their own. A prefix without a
+manifest is an uncommitted save: never listed, never loaded, deleted by the save that wrote it when it
+fails, or, once abandoned, by a :class:`~aiockpt.Checkpointer` or a later save of it. The save's lease
+tells an abandoned save from a running one (``_s3_lease``).
 
 ``obstore`` (Rust ``object_store``) is async-native: no request blocks the event loop and no thread is
 held while waiting on the network. It signs requests, retries 5xx, throttling and dropped connections
@@ -13,29 +16,34 @@ with backoff, and runs multipart uploads (aborting them on failure).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import obstore
 from obstore.exceptions import AlreadyExistsError, BaseError
 from obstore.store import S3Store
 
-from .._errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, StorageError
 from .._format import MANIFEST_NAME, Manifest
 from .._load._manifest import decode_manifest, decode_summary
 from .._threads import run_sync
 from . import S3Options, S3Path
 
 if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
     from obstore import ObjectMeta
     from obstore.store import ClientConfig, RetryConfig, S3Config
 
     from .._options import IOConfig
     from .._save._global_plan import RankPlan
     from .._save._write import WriteResult
+    from ._s3_lease import Lease
+
+T = TypeVar("T")
 
 # Errors a request may end with: the client's own, and the OS-level ones it re-raises as built-ins.
 ERRORS = (BaseError, OSError)
@@ -99,6 +107,35 @@ async def get(path: S3Path, name: str) -> bytes | None:
     try:
         result = await obstore.get_async(store(path), (path / name).key)
         return bytes(await result.bytes_async())
+    except FileNotFoundError:
+        return None
+    except ERRORS as exc:
+        raise _failed("read", url(path, name), exc) from exc
+
+
+async def fetch(path: S3Path, name: str) -> tuple[bytes, ObjectMeta] | None:
+    """The bytes and metadata of object ``name`` under ``path``, or ``None`` if there is none.
+
+    Raises:
+        StorageError: The request failed (after retries).
+    """
+    try:
+        result = await obstore.get_async(store(path), (path / name).key)
+        return bytes(await result.bytes_async()), result.meta
+    except FileNotFoundError:
+        return None
+    except ERRORS as exc:
+        raise _failed("read", url(path, name), exc) from exc
+
+
+async def head(path: S3Path, name: str) -> ObjectMeta | None:
+    """The metadata of object ``name`` under ``path``, or ``None`` if there is none.
+
+    Raises:
+        StorageError: The request failed (after retries).
+    """
+    try:
+        return await obstore.head_async(store(path), (path / name).key)
     except FileNotFoundError:
         return None
     except ERRORS as exc:
@@ -200,33 +237,88 @@ async def read_manifest(path: S3Path) -> Manifest:
 
 
 class S3Target:
-    """The storage side of one save to ``path`` on one rank (see the module docstring)."""
+    """The storage side of one save to ``path`` on one rank (see the module docstring).
+
+    The coordinator's :meth:`prepare` makes the save's token and takes its lease, renewed by a task of the
+    task group that :meth:`hold` runs the save in; every rank's data object is named with the token.
+    """
 
     def __init__(self, path: S3Path, limiter: anyio.CapacityLimiter | None = None) -> None:
         self.path = path
         self.limiter = limiter
         self._written: list[str] = []
         self._committed = False
+        self._lease: Lease | None = None
+        self._group: TaskGroup | None = None
+        # Keys of saves whose process died while committing (see ``Cleared.beside``): this save goes on
+        # beside them, and deletes them once its own manifest is in place.
+        self._beside: tuple[tuple[str, ...], ...] = ()
 
-    async def check(self) -> None:
-        """Refuse a prefix that holds anything: a checkpoint, or the objects of another save.
+    async def hold(self, body: Callable[[], Awaitable[T]]) -> T:
+        """Run ``body``, the save on this rank, in a task group where the lease can be renewed.
 
         Raises:
-            CheckpointExistsError: Objects exist under the prefix.
+            Exception: Whatever ``body`` raises, as it is (not in an exception group).
         """
-        found = await listing(self.path)
-        if any(m["path"] == (self.path / MANIFEST_NAME).key for m in found):
+        failure: Exception | None = None
+        result: list[T] = []
+        async with anyio.create_task_group() as tg:
+            self._group = tg
+            try:
+                result.append(await body())
+            except Exception as exc:
+                failure = exc
+            finally:
+                self._group = None
+                tg.cancel_scope.cancel()  # (the renewals end with the save: published or discard stop them)
+        if failure is not None:
+            raise failure
+        return result[0]
+
+    async def check(self) -> None:
+        """Refuse a prefix that holds a checkpoint, or the objects of a save that may still run.
+
+        The objects of abandoned saves (see ``_s3_lease``) are deleted first; those of a save that died
+        while committing are left until this one committed.
+
+        Raises:
+            CheckpointExistsError: The prefix holds a checkpoint, or objects of a save that may still run.
+            StorageError: A request failed.
+        """
+        from ._s3_lease import clear
+
+        cleared = await clear(self.path, strict=True)
+        if cleared.committed:
             raise CheckpointExistsError(f"{self.path} already exists; aiockpt never overwrites a checkpoint")
-        if found:
+        if cleared.live:
             raise CheckpointExistsError(
-                f"{self.path} holds the objects of an uncommitted save (in progress elsewhere, or abandoned: "
-                "a Checkpointer deletes those after S3Options.stale_after); nothing was written"
+                f"{self.path} holds the objects of an uncommitted save that may still be running "
+                f"({cleared.live[0]}); nothing was written"
             )
+        self._beside = cleared.beside
 
     async def prepare(self) -> str:
-        """Nothing to create on a store (no temp directory): check again, just before the uploads."""
+        """Check again, just before the uploads, then take this save's lease and start renewing it.
+
+        Returns:
+            The save's token, which every rank's data object is named with (see :meth:`tag`).
+
+        Raises:
+            CheckpointExistsError: See :meth:`check`.
+            StorageError: A request failed.
+        """
+        from ._s3_lease import Lease, new_token
+
         await self.check()
-        return ""
+        lease = self._lease = Lease(self.path, new_token())  # (set first: a put that failed late landed)
+        await lease.take()
+        if self._group is not None:  # (None only where a test drives the target without hold())
+            await self._group.start(lease.keep)
+        return lease.token
+
+    def tag(self, token: str) -> str:
+        """What data object names carry: the save's token, so that no two saves share an object."""
+        return token
 
     async def write(
         self, token: str, plan: RankPlan, sources: Sequence[memoryview], io: IOConfig
@@ -243,11 +335,15 @@ class S3Target:
     async def commit(self, manifest: Sequence[bytes]) -> None:
         """Put the manifest (its pieces, joined), create-only: the commit point. Shielded, like a rename.
 
+        Its first step marks the lease as committing, which fails if the lease may have expired.
+
         Raises:
             CheckpointExistsError: Another save committed this prefix meanwhile; nothing was replaced.
-            StorageError: The request failed.
+            StorageError: The lease lapsed, or a request failed.
         """
         with anyio.CancelScope(shield=True):
+            if self._lease is not None:
+                await self._lease.committing()
             data = await run_sync(lambda: b"".join(manifest))  # megabytes: not on the loop's thread
             try:
                 await put(self.path, MANIFEST_NAME, data, create=True)
@@ -260,17 +356,56 @@ class S3Target:
                 ) from exc
 
     async def published(self) -> None:
-        """The manifest is in place: nothing of this save may be deleted any more."""
+        """The manifest is in place: nothing of this save may be deleted any more but its lease.
+
+        The objects of saves that died while committing beside this one go too: their manifest put, had
+        it been still in flight, can no longer land.
+        """
+        from ._s3_lease import remove_save
+
         self._committed = True
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            await lease.stop()
+        # The checkpoint is committed whatever happens here: objects left in a committed prefix are never
+        # read, and go with the step.
+        with contextlib.suppress(StorageError):
+            if lease is not None:
+                await lease.drop()
+            for keys in self._beside:
+                await remove_save(self.path, keys)
 
     async def discard(self) -> None:
-        """Delete what this rank uploaded for a save that did not commit (never a committed one)."""
-        if self._committed or not self._written:
-            return
-        if await get(self.path, MANIFEST_NAME) is not None:
-            return  # a concurrent save to the same prefix committed: its objects are not ours to delete
-        await delete(self.path, self._written)
-        self._written = []
+        """Delete what this rank uploaded for a save that did not commit, then its lease. Call shielded.
+
+        Raises:
+            StorageError: A request failed.
+        """
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            await lease.stop()  # before anything goes: a renewal must not put the lease back
+        try:
+            if not self._committed and self._written and not await self._ours_committed():
+                await delete(self.path, self._written)
+                self._written = []
+        finally:
+            if lease is not None:
+                await lease.drop()
+
+    async def _ours_committed(self) -> bool:
+        """Whether the prefix's manifest is this save's (a commit reported failed may have landed).
+
+        The manifest of a racing save that won names none of this save's objects, which are deleted.
+        """
+        raw = await get(self.path, MANIFEST_NAME)
+        if raw is None:
+            return False
+        mine = {key.rpartition("/")[2] for key in self._written}
+        try:
+            found = await run_sync(lambda: decode_manifest(raw, url(self.path, MANIFEST_NAME)), self.limiter)
+        except CheckpointError:
+            return True  # cannot tell: leave the objects rather than risk a checkpoint
+        return any(f.name in mine for f in found.files)
 
     async def summary(self) -> tuple[Manifest, int, int]:
         """What a non-coordinator rank reports about the checkpoint rank 0 committed.
@@ -300,21 +435,3 @@ async def committed(path: S3Path) -> bool:
     except ERRORS as exc:
         raise _failed("read", url(path, MANIFEST_NAME), exc) from exc
     return True
-
-
-async def children(root: S3Path) -> dict[str, tuple[bool, float, list[str]]]:
-    """The prefixes one level under ``root``: name -> (committed, newest object's mtime, object keys).
-
-    Raises:
-        StorageError: The listing failed.
-    """
-    found: dict[str, tuple[bool, float, list[str]]] = {}
-    base = len(root.key) + 1
-    for meta in await listing(root):
-        name, slash, rest = meta["path"][base:].partition("/")
-        if not slash:
-            continue  # an object directly under the root (``latest``)
-        done, newest, keys = found.get(name, (False, 0.0, []))
-        keys.append(meta["path"])
-        found[name] = (done or rest == MANIFEST_NAME, max(newest, meta["last_modified"].timestamp()), keys)
-    return found
