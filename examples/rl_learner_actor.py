@@ -91,7 +91,10 @@ async def learner(root: Path, steps: int, save_every: int, table_mb: float) -> N
             mark = await anyio.to_thread.run_sync(fingerprint, policy)
             await ckpt.save({"policy": policy, "step": steps, "fingerprint": mark}, step=steps)
             saved.append(steps)
-    (root / DONE).write_text(str(steps))
+    # Written whole under another name, then renamed: an actor polling for the marker never reads it
+    # half-written (empty).
+    (root / f"{DONE}.tmp").write_text(str(steps))
+    (root / f"{DONE}.tmp").replace(root / DONE)
     print(f"learner: saved steps {saved}, skipped {skipped} save(s) while one was still writing", flush=True)
 
 

@@ -1,4 +1,4 @@
-"""The ``aiockpt`` command-line tool: ``ls``, ``inspect``, ``verify``, ``prune``.
+"""The ``aiockpt`` command-line tool: ``ls``, ``inspect``, ``verify``, ``prune``, ``convert``.
 
 Its dependencies (click, rich) come with the ``cli`` extra: ``pip install 'aiockpt[cli]'``. One module
 per subcommand, each defining a click ``command`` listed in :data:`._app.COMMANDS`.

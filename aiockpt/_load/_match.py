@@ -590,7 +590,7 @@ class _Matcher:
         if not self.allow_pickle:
             raise StateError(
                 f"key {render(path)!r} holds a pickled {node.type_name}; loading it can run code: "
-                "pass allow_pickle=True if you trust this checkpoint",
+                "pass allow_pickle=True (--allow-pickle on the command line) if you trust this checkpoint",
                 key=render(path),
             )
         try:
