@@ -14,15 +14,18 @@ native cancellation of the caller reaches the task group's wait, which cancels t
 
 The caller's frame is not on the child task's stack, so warnings about the call cannot find it by
 ``stacklevel``: the outermost public call notes where it was made, and :func:`warn_at_caller` warns
-there.
+there. A blocking facade (``aiockpt.sync``), whose caller is on another thread or outside the event
+loop, notes its caller's line itself (:func:`caller_line`, :func:`warnings_at`); the public coroutine
+it runs keeps that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextvars import ContextVar
 from typing import Any, ParamSpec, TypeVar
 
@@ -37,6 +40,29 @@ _caller: ContextVar[tuple[str, int, dict[str, Any]] | None] = ContextVar("aiockp
 # Set in the child task of a public call, and so in the tasks it starts: a public coroutine called from
 # there (Checkpointer.save opening the Checkpointer, say) is insulated already and runs as it is.
 _inside: ContextVar[bool] = ContextVar("aiockpt_insulated", default=False)
+
+
+_Line = tuple[str, int, dict[str, Any]]
+
+
+def caller_line(depth: int) -> _Line | None:
+    """Where the frame ``depth`` levels above the caller of this function is (``None``: no such frame)."""
+    try:
+        frame = sys._getframe(depth + 1)
+    except ValueError:
+        return None
+    return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+
+
+@contextlib.contextmanager
+def warnings_at(where: _Line | None) -> Iterator[None]:
+    """Inside the block, warnings about the public calls made there point at ``where`` (if given)."""
+    token = _caller.set(where) if where is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _caller.reset(token)
 
 
 def warn_at_caller(message: str, category: type[Warning]) -> None:
@@ -89,12 +115,10 @@ def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, 
                 failures.append(exc)
 
         token = None
-        try:
-            frame = sys._getframe(1)  # the awaiting frame: the caller's code
-        except ValueError:  # driven by no Python frame (a coroutine sent to from C): no line to name
-            pass
-        else:
-            token = _caller.set((frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
+        if _caller.get() is None:  # (else a blocking facade noted its caller's line: see warnings_at)
+            where = caller_line(1)  # the awaiting frame: the caller's code (None: driven from C)
+            if where is not None:
+                token = _caller.set(where)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(body)

@@ -29,6 +29,7 @@ from ._dist import DEFAULT_TIMEOUT
 from ._errors import CheckpointError
 from ._format import Key
 from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
+from ._insulate import caller_line, warnings_at
 from ._interop import _convert
 from ._interop._convert import DEFAULT_MAX_SHARD_SIZE, Target
 from ._options import IOConfig
@@ -53,7 +54,13 @@ def _run(call: Callable[[], Awaitable[T]], name: str) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return anyio.run(call)
+        where = caller_line(2)  # the line that called the facade's function: its warnings point there
+
+        async def run() -> T:
+            with warnings_at(where):
+                return await call()
+
+        return anyio.run(run)
     raise CheckpointError(
         f"aiockpt.sync.{name} was called from a running event loop, which it would block: "
         f"await aiockpt.{name}(...) there instead"
@@ -196,9 +203,10 @@ def _as_this_thread(call: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[
     as it would when awaited on this thread (see ``_cuda``).
     """
     noted = caller()
+    where = caller_line(2)  # the line that called the facade's method: its warnings point there
 
     async def run() -> T:
-        with noting(noted):
+        with noting(noted), warnings_at(where):
             return await call()
 
     return run

@@ -253,6 +253,26 @@ async def test_warnings_about_a_call_point_at_the_line_of_the_call(tmp_path: Pat
     assert _located(seen, RuntimeWarning) == [(__file__, retained), (__file__, background)]
 
 
+def test_warnings_about_a_blocking_call_point_at_the_line_of_the_call(tmp_path: Path) -> None:
+    """The blocking facade's calls run on another thread's event loop (a Checkpointer's) or in a loop of
+    their own: their warnings pointed at aiockpt/sync.py."""
+    aiockpt.sync.save({"a": torch.ones(2), "b": torch.ones(2)}, tmp_path / "c")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        line = _here()
+        aiockpt.sync.load({"a": torch.zeros(2)}, tmp_path / "c", strict=False)
+        with aiockpt.sync.Checkpointer(tmp_path / "root", keep_last=1) as ckpt:
+            ckpt.save({"a": torch.ones(2)}, step=5)
+            other = _here()
+            ckpt.load({"a": torch.zeros(2), "c": torch.zeros(1)}, strict=False)
+            retained = _here()
+            ckpt.save({"a": torch.ones(2)}, step=3)  # retention deletes it at once
+            background = _here()
+            ckpt.save({"a": torch.ones(2)}, step=2, async_op=True).result()
+    assert _located(seen, aiockpt.StateMismatchWarning) == [(__file__, line), (__file__, other)]
+    assert _located(seen, RuntimeWarning) == [(__file__, retained), (__file__, background)]
+
+
 def test_a_loop_that_ends_with_a_save_in_a_thread_waits_for_the_thread_and_cleans_up(
     tmp_path: Path, gated_prepare: _Gate
 ) -> None:
