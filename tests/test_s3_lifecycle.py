@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -24,7 +24,10 @@ import obstore
 import pytest
 import torch
 from conftest import assert_tree_equal
-from obstore.store import S3Store
+from test_s3 import bucket as bucket  # the suite's moto server and a bucket of it, as fixtures
+from test_s3 import client
+from test_s3 import keys as s3_keys
+from test_s3 import server as server
 
 import aiockpt
 from aiockpt import Checkpointer, CheckpointExistsError, S3Options, StorageError
@@ -34,7 +37,7 @@ from aiockpt._save._local_plan import LocalPlan, WriteItem
 from aiockpt._storage import S3Path
 from aiockpt._storage._s3_lease import Owner, clear, lease_name, owner
 
-from s3_util import FaultProxy, S3Server, s3_server
+from s3_util import FaultProxy, S3Server
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -44,26 +47,9 @@ DATA = re.compile(r"data-r\d{5}-(?P<token>[0-9a-f]{16})\.bin")
 CHILD_TIMEOUT = 60.0  # seconds a child process may take to reach the request the proxy holds
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[S3Server]:
-    with s3_server() as s:
-        yield s
-
-
-@pytest.fixture
-def bucket(server: S3Server) -> Iterator[str]:
-    name = server.bucket()
-    with server.env():
-        yield name
-
-
-def client(bucket: str) -> S3Store:
-    return S3Store(bucket, client_options={"allow_http": True})
-
-
 async def keys(bucket: str, prefix: str) -> list[str]:
-    found = await obstore.list(client(bucket), prefix + "/").collect_async()
-    return sorted(m["path"] for m in found)
+    """The keys under the prefix ``prefix/``."""
+    return await s3_keys(bucket, prefix + "/")
 
 
 def names(listed: list[str]) -> list[str]:

@@ -333,21 +333,7 @@ async def run_save(
     The cyclic garbage collector is paused for the whole save (see ``_gc``): the save's own bookkeeping
     objects are freed by reference counting when :func:`_save` returns, before it resumes, so they never
     trigger a full collection, which would hold the GIL, and so stall the event loop, for a long time.
-    """
-    with responsive(req.io, lowered=True), noting():
-        return await _save(req, world=world, pool=pool, metrics=metrics, report=report, limiter=limiter)
-
-
-async def _save(
-    req: SaveRequest,
-    *,
-    world: World,
-    pool: StagingPool,
-    metrics: SaveMetrics,
-    report: Callable[[SaveState], None],
-    limiter: anyio.CapacityLimiter | None = None,
-) -> Metadata:
-    """Body of :func:`run_save`.
+    The save runs inside its target's :meth:`Target.hold` (on S3, where its lease is renewed).
 
     ``report(SaveState.STAGED)`` is called once the caller may mutate the state again, and
     ``report(SaveState.WRITING)`` when this rank starts writing.
@@ -358,15 +344,15 @@ async def _save(
         StorageError: Writing failed (e.g. disk full); earlier checkpoints are untouched.
         DistributedError: Another rank failed or was cancelled (names the ranks), or a collective timed out.
     """
-    target = _target(req, limiter)
-    return await target.hold(
-        partial(
-            _save_to, target, req, world=world, pool=pool, metrics=metrics, report=report, limiter=limiter
+    with responsive(req.io, lowered=True), noting():
+        target = _target(req, limiter)
+        body = partial(
+            _save, target, req, world=world, pool=pool, metrics=metrics, report=report, limiter=limiter
         )
-    )
+        return await target.hold(body)
 
 
-async def _save_to(
+async def _save(
     target: Target,
     req: SaveRequest,
     *,
@@ -376,7 +362,7 @@ async def _save_to(
     report: Callable[[SaveState], None],
     limiter: anyio.CapacityLimiter | None = None,
 ) -> Metadata:
-    """:func:`_save` on ``target``, inside its :meth:`Target.hold`."""
+    """Body of :func:`run_save`, on ``target``."""
     coordinator = world.rank == 0
     exchanges = Exchanges(world, save=str(req.path))
     staged: Staged | None = None
