@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pickle
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, cast, runtime_checkable
 
@@ -67,6 +67,21 @@ def spelled_int(key: object) -> int | None:
     if isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key:
         return int(key)
     return None
+
+
+def nested(obj: object) -> Iterator[object]:
+    """``obj`` and every value inside it, through mappings, lists and tuples, each before what it holds.
+
+    A mapping yielded may have the values of its keys replaced before the walk goes on into it: the walk
+    then goes into the new values.
+    """
+    yield obj
+    if isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from nested(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from nested(v)
 
 
 def render(path: KeyPath) -> str:

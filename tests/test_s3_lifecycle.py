@@ -227,30 +227,37 @@ async def test_a_running_save_renews_its_lease_and_is_never_collected(server: S3
     assert not [k for k in await keys(bucket, "live/step-00000001") if "/lease-" in k]
 
 
+class _LeasePuts:
+    """A proxy rule (``refuse``, ``stall``): the lease's PUTs after the first, which takes the lease, while
+    ``during()``; ``count`` of them all."""
+
+    def __init__(self, during: Callable[[], bool] = lambda: True) -> None:
+        self.count = 0
+        self._during = during
+        self._lock = threading.Lock()
+
+    def __call__(self, method: str, path: str) -> bool:
+        if method != "PUT" or "/lease-" not in path:
+            return False
+        with self._lock:
+            self.count += 1
+            return self.count > 1 and self._during()
+
+
 async def test_a_save_whose_lease_lapsed_does_not_commit(server: S3Server, bucket: str) -> None:
     """Renewals that fail for longer than lease_timeout / 2 make the save fail instead of committing:
     another process may have taken it for abandoned meanwhile."""
     url = f"s3://{bucket}/lapsed"
     opts = S3Options(part_size=OPTS.part_size, concurrency=1, lease_timeout=2.0)
-    leases = 0
     until = 0.0
-    lock = threading.Lock()
-
-    def refuse(method: str, path: str) -> bool:
-        nonlocal leases
-        if method != "PUT" or "/lease-" not in path:
-            return False
-        with lock:
-            leases += 1
-            return leases > 1 and time.monotonic() < until  # the first put, which takes the lease, passes
-
+    renewals = _LeasePuts(lambda: time.monotonic() < until)
     with FaultProxy(server.endpoint) as proxy, server.env(proxy.endpoint):
         proxy.delay = 0.5  # the upload takes over 3 s
-        proxy.refuse = refuse
+        proxy.refuse = renewals
         until = time.monotonic() + 2.5
         with pytest.raises(StorageError, match="unrenewed"):
             await aiockpt.save({"w": torch.ones(BIG)}, url, s3=opts)
-    assert leases > 2
+    assert renewals.count > 2
     assert await keys(bucket, "lapsed") == []
     assert server.multipart_uploads(bucket) == 0
 
@@ -270,21 +277,6 @@ async def main():
         await aiockpt.save(state, url, s3=opts)
 anyio.run(main)
 """
-
-
-def _lease_puts_after_the_first() -> Callable[[str, str], bool]:
-    count = 0
-    lock = threading.Lock()
-
-    def stall(method: str, path: str) -> bool:
-        nonlocal count
-        if method != "PUT" or "/lease-" not in path:
-            return False
-        with lock:
-            count += 1
-            return count > 1
-
-    return stall
 
 
 def _kill_when_stalled(proxy: FaultProxy, url: str, how: str, lease_timeout: float) -> None:
@@ -321,7 +313,7 @@ async def test_a_save_killed_before_its_commit_is_collected_at_once(
     else:
         url, prefix = f"s3://{bucket}/one", "one"
     with FaultProxy(server.endpoint) as proxy:
-        proxy.stall = _lease_puts_after_the_first()  # the commit's first step: its data is uploaded
+        proxy.stall = _LeasePuts()  # the commit's first step: its data is uploaded
         await anyio.to_thread.run_sync(_kill_when_stalled, proxy, url, how, 120.0)
     left = names(await keys(bucket, prefix))
     assert len(left) == 2, left  # the data object, uploaded, and the lease: no manifest

@@ -37,7 +37,7 @@ from .._options import IOConfig, check_flags, io_config
 from .._save import SaveRequest, discard_tmp, open_tmp, run_save
 from .._storage import S3Path, local, resolve
 from .._threads import acquire_sync, run_sync
-from .._tree import dtype_name, render
+from .._tree import dtype_name, nested, render
 from .._world import LocalWorld
 from . import detect
 from ._names import is_leaf, join, restore_optimizer_ids
@@ -52,20 +52,7 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's default "5GB"
 
 
 def _tensors(tree: Mapping[Key, object]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-
-    def walk(obj: object) -> None:
-        if isinstance(obj, torch.Tensor):
-            out.append(obj)
-        elif isinstance(obj, Mapping):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-
-    walk(tree)
-    return out
+    return [obj for obj in nested(tree) if isinstance(obj, torch.Tensor)]
 
 
 # The header entry of a safetensors file that holds its metadata, not a tensor.

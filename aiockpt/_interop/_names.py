@@ -24,7 +24,7 @@ import torch
 
 from .._errors import StateError
 from .._format import DictNode, Key, KeyPath, ListNode, Node, PickleNode
-from .._tree import flatten, is_stateful, render, spelled_int, type_name
+from .._tree import flatten, is_stateful, nested, render, spelled_int, type_name
 
 # A tree under construction: nodes, dicts and lists of them.
 _Draft = Union[Node, dict[Key, "_Draft"], list["_Draft"]]  # noqa: UP007 (a recursive alias needs Union)
@@ -139,9 +139,7 @@ def restore_optimizer_ids(tree: dict[Key, object]) -> int:
         How many optimizer state dicts were changed.
     """
     changed = 0
-
-    def walk(obj: object) -> None:
-        nonlocal changed
+    for obj in nested(tree):
         if isinstance(obj, dict):
             state, ids = obj.get("state"), _param_ids(obj.get("param_groups"))
             if isinstance(state, dict) and state and ids is not None:
@@ -149,13 +147,6 @@ def restore_optimizer_ids(tree: dict[Key, object]) -> int:
                 if len(ints) == len(state):  # (distinct: decimal strings of distinct ints)
                     obj["state"] = dict(zip(ints, state.values(), strict=True))
                     changed += 1
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-
-    walk(tree)
     return changed
 
 
