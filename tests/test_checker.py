@@ -40,7 +40,7 @@ def _task_cpus() -> dict[str, str]:
     for task in Path("/proc/self/task").iterdir():
         try:
             status = (task / "status").read_text()
-        except FileNotFoundError:  # the thread ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile (ENOENT or ESRCH)
             continue
         for line in status.splitlines():
             if line.startswith("Cpus_allowed_list:"):
