@@ -187,6 +187,25 @@ def publish_newer(
         return list(trash_steps(root, doomed).values()), failed
 
 
+def repair_latest(root: Path, steps: Sequence[int], *, locked: bool = False) -> None:
+    """Point a missing or dangling ``latest`` at the newest of ``steps`` (committed ones). Blocking.
+
+    A writer killed between its commit and its update of ``latest`` leaves committed steps that no
+    ``latest`` names, or one naming a step that is gone. The next open by a writer mends it. A ``latest``
+    naming a committed step, older or not, is left alone: a writer of the root in another process may
+    be about to move it forward, and moving it here could then move it back. Where it cannot be read or
+    replaced (a reader with no right to write the root, a full disk), it stays as it is: it is a hint,
+    and loads scan the steps. ``locked``: as :func:`publish_newer`'s.
+    """
+    if not steps:
+        return
+    turn = flocked(root / LATEST_LOCK) if locked else contextlib.nullcontext()
+    with contextlib.suppress(OSError), turn:
+        current = latest_of(root)
+        if current is None or not is_checkpoint(root / step_dir_name(current)):
+            replace_durable(root / LATEST, (step_dir_name(steps[-1]) + "\n").encode())
+
+
 def _listed_steps(root: Path) -> list[int]:
     """:func:`scan_steps`, its failure a :class:`StorageError` naming ``root``. Blocking."""
     try:
@@ -514,14 +533,18 @@ class Checkpointer:
                 "every rank; distributed jobs save one at a time (max_inflight=1)"
             )
         coordinator = self._world.rank == 0
+        collective_free = self._part is not None
         root = self.root
 
         def prepare(root: Path) -> list[int]:
             try:
                 root.mkdir(parents=True, exist_ok=True)
-                if coordinator:  # the other ranks would race it
-                    _collect_if_allowed(root)
-                return scan_steps(root)
+                if not coordinator:  # the other ranks would race it
+                    return scan_steps(root)
+                _collect_if_allowed(root)
+                steps = scan_steps(root)
+                repair_latest(root, steps, locked=collective_free)
+                return steps
             except (FileExistsError, NotADirectoryError) as exc:
                 blocked = not_a_directory(root)
                 if blocked is None:  # (the file in the way went meanwhile)

@@ -212,6 +212,25 @@ async def test_leftover_temp_dir_is_collected_on_open(root: Path) -> None:
     assert listdir(root) == ["latest", step_dir(1)]
 
 
+async def test_a_missing_or_dangling_latest_is_mended_on_open(root: Path) -> None:
+    """A writer killed between its commit and its update of ``latest`` left committed steps that no
+    ``latest`` named, until its next commit (the crash trials met it under load)."""
+    async with Checkpointer(root) as ckpt:
+        await ckpt.save(state_for(1), step=1)
+        await ckpt.save(state_for(2), step=2)
+    (root / "latest").unlink()
+    async with Checkpointer(root):
+        assert read_text(root / "latest") == step_dir(2) + "\n"
+    write_file(root / "latest", (step_dir(7) + "\n").encode())  # a step that is gone
+    async with Checkpointer(root):
+        assert read_text(root / "latest") == step_dir(2) + "\n"
+    # An older committed step is left alone: a writer in another process may be moving it forward.
+    write_file(root / "latest", (step_dir(1) + "\n").encode())
+    async with Checkpointer(root):
+        assert read_text(root / "latest") == step_dir(1) + "\n"
+    assert tmp_entries(root) == []
+
+
 async def test_incomplete_step_dirs_are_not_steps(root: Path) -> None:
     async with Checkpointer(root) as ckpt:
         await ckpt.save(state_for(1), step=1)
