@@ -61,6 +61,22 @@ async def save(
 ) -> SaveHandle: ...
 
 
+@overload
+async def save(
+    state: Mapping[str, object],
+    path: str | os.PathLike[str],
+    *,
+    async_op: bool,
+    allow_pickle: bool = ...,
+    metadata: dict[str, str | int | float | bool | None] | None = ...,
+    io: IOConfig | None = ...,
+    process_group: ProcessGroup | None = ...,
+    collective_timeout: float = ...,
+    use_collectives: bool = ...,
+    s3: S3Options | None = ...,
+) -> Metadata | SaveHandle: ...
+
+
 @insulated
 async def save(
     state: Mapping[str, object],

@@ -619,6 +619,16 @@ class Checkpointer:
         metadata: dict[str, str | int | float | bool | None] | None = ...,
     ) -> SaveHandle: ...
 
+    @overload
+    async def save(
+        self,
+        state: Mapping[str, object],
+        *,
+        step: int,
+        async_op: bool,
+        metadata: dict[str, str | int | float | bool | None] | None = ...,
+    ) -> Metadata | SaveHandle: ...
+
     @insulated
     async def save(
         self,

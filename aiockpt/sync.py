@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, TypeVar, cast, overload
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -120,17 +120,38 @@ async def _aclose(ckpt: AsyncCheckpointer, watches: _Watches, cancel: bool = Fal
         watches.close()
 
 
+class _Handover:
+    """Whether a call handed to the event-loop thread began there, and its cancellation.
+
+    :meth:`cancel` runs on the loop thread, called through the portal after the hand-over, so after
+    the loop spawned the call's task if the hand-over got that far: portal calls are spawned in the
+    order they are made, and a task's first step (which sets :attr:`scope`) runs before a task spawned
+    after it.
+    """
+
+    def __init__(self) -> None:
+        self.scope: anyio.CancelScope | None = None
+        self.cancelled = False
+
+    def cancel(self) -> bool:
+        """Cancel the call (at once if it began, or as it begins); return whether it began. Loop thread."""
+        self.cancelled = True
+        if self.scope is not None:
+            self.scope.cancel()
+        return self.scope is not None
+
+
 def _until_done(
     portal: BlockingPortal, thread: threading.Thread, call: Callable[[], Awaitable[T]], closed: str
 ) -> T:
     """``call()`` run on ``portal``'s event-loop thread; its result returned or its exception raised.
 
-    If this thread is interrupted while it waits (``KeyboardInterrupt`` from Ctrl-C, or an exception
-    raised by a signal handler), ``call`` is cancelled and waited for before the interruption is raised,
-    as cancelling the task that awaits it would: a save (with ``async_op=False``, or still staging) or a
-    load must not go on reading or writing the caller's tensors once the caller has its control back (the
-    caller may go on training, and the save would commit torn weights). A save past its commit point
-    completes. A second interruption meanwhile is raised at once.
+    If this thread is interrupted while it hands the call over or waits (``KeyboardInterrupt`` from
+    Ctrl-C, or an exception raised by a signal handler), ``call`` is cancelled and waited for before the
+    interruption is raised, as cancelling the task that awaits it would: a save (with ``async_op=False``,
+    or still staging) or a load must not go on reading or writing the caller's tensors once the caller
+    has its control back (the caller may go on training, and the save would commit torn weights). A save
+    past its commit point completes. A second interruption meanwhile is raised at once.
 
     Raises:
         _PortalStopped: The portal has stopped (the Checkpointer was closed, by another thread say); the
@@ -138,25 +159,37 @@ def _until_done(
     """
     ended = threading.Event()
     returned: list[T] = []
+    handover = _Handover()
 
-    async def run() -> T:
+    async def run() -> T | None:
         try:
-            returned.append(await call())
-            return returned[0]
+            with anyio.CancelScope() as scope:
+                handover.scope = scope
+                if handover.cancelled:
+                    scope.cancel()
+                returned.append(await call())
+            return returned[0] if returned else None  # (None: cancelled by the caller, who is gone)
         finally:
             ended.set()
 
+    future: concurrent.futures.Future[T | None] | None = None
     try:
+        # The portal's hand-over blocks until the loop has spawned `run`, which may then run as far as a
+        # save's "staged" before this thread goes on: an interruption raised in it must cancel `run` too,
+        # though no future reached this thread (see _Handover).
         future = portal.start_task_soon(run)
-    except RuntimeError:  # anyio: "This portal is not running" (closed since the caller checked)
-        raise _PortalStopped(closed) from None
-    try:
-        return future.result()
+        return cast("T", future.result())
+    except RuntimeError:
+        if future is None:  # anyio: "This portal is not running" (closed since the caller checked)
+            raise _PortalStopped(closed) from None
+        raise
     except BaseException:
-        if not future.done():  # interrupted: ``call`` still runs
-            future.cancel()  # cancels its scope on the loop (anyio)
+        if not ended.is_set():  # interrupted: ``call`` may run, or be about to begin
+            began = True
+            with contextlib.suppress(RuntimeError):  # anyio: the portal has stopped (and `run` with it)
+                began = portal.call(handover.cancel)
             # Bounded by the thread: a task that never started sets nothing, but ends with the loop.
-            while not ended.wait(0.05) and thread.is_alive():
+            while began and not ended.wait(0.05) and thread.is_alive():
                 pass
         # Interrupted as ``call`` returned: its result never reaches the caller. A background save's
         # handle is so ended, as in an insulated call (see ``_insulate``).
@@ -367,6 +400,16 @@ class Checkpointer:
         async_op: Literal[True],
         metadata: dict[str, str | int | float | bool | None] | None = ...,
     ) -> SyncSaveHandle: ...
+
+    @overload
+    def save(
+        self,
+        state: Mapping[str, object],
+        *,
+        step: int,
+        async_op: bool,
+        metadata: dict[str, str | int | float | bool | None] | None = ...,
+    ) -> Metadata | SyncSaveHandle: ...
 
     def save(
         self,

@@ -49,7 +49,7 @@ async def test_cancelling_the_caller_at_random_moments(tmp_path: Path) -> None:
     start = time.monotonic()
     await aiockpt.save(state, tmp_path / "timed")
     took = time.monotonic() - start
-    outcomes = set()
+    outcomes: set[bool] = set()
     trial = 0
     while trial < 12 or (len(outcomes) < 2 and trial < 40):  # more trials till both sides are hit
         delay = rng.uniform(0, 2 * took)

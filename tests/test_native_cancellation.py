@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from anyio.from_thread import BlockingPortal
 
 import aiockpt
 import aiockpt._save
@@ -399,6 +400,32 @@ async def test_a_caller_cancelled_as_its_async_save_returns_cancels_the_save(
         # Ended before the cancellation went on: the slot and step are free at once.
         assert ckpt._inflight == {}
         await (await ckpt.save(_state(), step=2, async_op=True))
+        assert ckpt.steps() == [2]
+    assert _leftovers(root) == []
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_sync_caller_interrupted_while_handing_its_save_over_cancels_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_op: bool
+) -> None:
+    # Ctrl-C landing in the portal's hand-over, once the loop has spawned the save but before its future
+    # reached the caller (a loaded machine leaves the caller's thread off the CPU there), escaped with
+    # nothing to cancel: the save went on and committed behind the caller's back, or hung a later wait().
+    root = tmp_path / "root"
+    real = BlockingPortal.start_task_soon
+
+    def interrupted(self: BlockingPortal, *args: Any, **kwargs: Any) -> Any:
+        real(self, *args, **kwargs)  # spawned on the loop, where it runs on
+        raise KeyboardInterrupt
+
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        monkeypatch.setattr(BlockingPortal, "start_task_soon", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(_state(), step=1, async_op=async_op)
+        monkeypatch.undo()
+        ckpt.wait()
+        assert ckpt.steps() == []
+        ckpt.save(_state(), step=2)
         assert ckpt.steps() == [2]
     assert _leftovers(root) == []
 
