@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import crc32c
@@ -480,3 +481,53 @@ async def test_a_failed_direct_write_fails_the_save_by_file_and_leaves_nothing(
         assert ckpt.steps() == [1]
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["latest", "step-00000001"]
     assert_tree_equal(await aiockpt.read(root / "step-00000001"), first)
+
+
+# --- Where a write's threads run ----------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="threads are pinned to CPUs on Linux only")
+@pytest.mark.parametrize(("shape", "pinned"), [((64, 1 << 16), True), ((2000, 256), False)])
+async def test_a_bulk_writes_threads_share_one_cpu_besides_the_loops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], pinned: bool
+) -> None:
+    """On two CPUs the preparer and writers ran wherever the kernel put them, and the event loop's thread
+    waited for a CPU after its wake-ups (durable 2 GiB save: loop-lag p99 2.5 ms against 1.0-1.2 ms
+    pinned). A write of small blocks (not bulk: per-block work under the GIL) is left unpinned."""
+    from aiockpt._load import _checker
+    from aiockpt._save import _write
+
+    cpu = min(os.sched_getaffinity(0))
+
+    def claim(lanes: int) -> list[int | None]:  # one CPU, whatever this machine has (claimed as _claim does)
+        _checker._claimed.add(cpu)
+        return [cpu] * lanes
+
+    monkeypatch.setattr(_checker, "_claim", claim)
+    seen: list[set[int]] = []
+
+    def spy(*args: Any) -> None:
+        seen.append(os.sched_getaffinity(0))
+        real(*args)
+
+    real = _write.write_runs
+    monkeypatch.setattr(_write, "write_runs", spy)
+    monkeypatch.setattr(Direct, "prepare", _recording(Direct.prepare, seen))
+    state = {f"t{i}": torch.randn(*shape[1:]) for i in range(shape[0])}
+    before = os.sched_getaffinity(0)
+    await aiockpt.save(state, tmp_path / "c", io=IOConfig(threads=2))
+    assert_tree_equal(await aiockpt.read(tmp_path / "c"), state)
+    assert seen, "no writer ran"
+    assert all(s == ({cpu} if pinned else before) for s in seen), seen
+    assert _checker._claimed == set()  # given back
+    assert os.sched_getaffinity(0) == before
+
+
+def _recording(
+    prepare: Callable[[Direct, Checksums, threading.Event], None], seen: list[set[int]]
+) -> Callable[[Direct, Checksums, threading.Event], None]:
+    def spy(self: Direct, sums: Checksums, abort: threading.Event) -> None:
+        seen.append(os.sched_getaffinity(0))
+        prepare(self, sums, abort)
+
+    return spy
