@@ -430,8 +430,8 @@ async def write(
         bulk = plan.nbytes >= _LOWER_FROM * sums.count
         jobs = [partial(direct_fd.prepare, sums)] if direct_fd.usable else []
         jobs += [partial(write_runs, deque(runs), fd, direct_fd, sums)] * writers
-        # On few CPUs, every thread of the write shares one CPU that is not the event loop's (see
-        # _PIN_WRITES): on the loop's thread, where checker_cpus looks up the loop's CPU.
+        # On two CPUs, every thread of the write shares the one that is not the event loop's (see
+        # _pinned): claimed here, on the loop's thread, whose CPU checker_cpus looks up.
         with checker_cpus(1) if bulk else nullcontext(None) as cpus:
             if cpus and cpus[0] is not None:
                 jobs = [partial(_pinned, cpus[0], job) for job in jobs]
@@ -452,16 +452,16 @@ async def write(
     return result
 
 
-# _PIN_WRITES: a bulk write's threads (the direct preparer, which copies and checksums, and the writers)
-# run on one CPU besides the event loop's where the machine has two (the rule of the load's readers and
-# checkers, ``_load._checker.checker_cpus``). Free to run anywhere, they left the loop's thread waiting
-# for a CPU after its wake-ups: a durable 2 GiB save from tensor memory, 3 saves a process, 2 processes
-# each way alternating on the 2-vCPU VM: loop-lag p99 0.95-0.99 ms pinned against 2.47-2.53 ms, write
-# phase 0.88-0.93 s against 0.83-1.03 s; with the preparer alone pinned, p99 2.32-2.34 ms.
-
-
 def _pinned(cpu: int, job: Callable[[threading.Event], None], abort: threading.Event) -> None:
-    """``job(abort)`` with the calling thread allowed on ``cpu`` only (its CPU set restored after)."""
+    """``job(abort)`` with the calling thread allowed on ``cpu`` only (its CPU set restored after).
+
+    A bulk write's threads (the direct preparer, which copies and checksums, and the writers) run so on
+    one CPU besides the event loop's where the machine has two: the rule of a load's readers and
+    checkers (``_load._checker.checker_cpus``). Free to run anywhere, they left the loop's thread
+    waiting for a CPU after its wake-ups: a durable 2 GiB save from tensor memory, 3 saves a process,
+    2 processes each way alternating on the 2-vCPU VM: loop-lag p99 0.95-0.99 ms pinned against
+    2.47-2.53 ms, write phase 0.88-0.93 s against 0.83-1.03 s; with the preparer alone pinned, 2.32-2.34 ms.
+    """
     with pinned(cpu):
         job(abort)
 
