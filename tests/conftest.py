@@ -9,8 +9,10 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import ClassVar
 
 import anyio
 import anyio.abc
@@ -435,3 +437,48 @@ async def stderr_of(proc: anyio.abc.Process) -> str:
         while True:
             err += await proc.stderr.receive()
     return err.decode(errors="replace")
+
+
+class Listings:
+    """The root listings a Checkpointer's watches made, counted (its ``_listing`` wrapped), so that a test
+    waits for the watch's next listing rather than sleeping for what should be many poll intervals."""
+
+    _of: ClassVar[weakref.WeakKeyDictionary[aiockpt.Checkpointer, Listings]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, ckpt: aiockpt.Checkpointer) -> None:
+        self.count = 0
+        self._done = threading.Condition()  # for threads waiting (see wait_past)
+        self._next: anyio.Event | None = None  # for a task of the watch's own loop (see past)
+        real = ckpt._listing
+
+        async def listing() -> tuple[list[int], tuple[int, int] | None] | None:
+            try:
+                return await real()
+            finally:
+                with self._done:
+                    self.count += 1
+                    self._done.notify_all()
+                if self._next is not None:
+                    self._next.set()
+                    self._next = None
+
+        ckpt._listing = listing  # type: ignore[method-assign]
+
+    @classmethod
+    def of(cls, ckpt: aiockpt.Checkpointer) -> Listings:
+        """The counter of ``ckpt``'s listings, made (and ``ckpt`` wrapped) on the first call."""
+        if ckpt not in cls._of:
+            cls._of[ckpt] = cls(ckpt)
+        return cls._of[ckpt]
+
+    def wait_past(self, seen: int, timeout: float = 10.0) -> None:
+        """Block until more than ``seen`` listings were made (for a thread other than the watch's loop)."""
+        with self._done:
+            assert self._done.wait_for(lambda: self.count > seen, timeout), "the watch made no listing"
+
+    async def past(self, seen: int) -> None:
+        """Wait until more than ``seen`` listings were made (in the watch's own event loop), 10 s at most."""
+        with anyio.fail_after(10):
+            while self.count <= seen:
+                self._next = self._next or anyio.Event()
+                await self._next.wait()

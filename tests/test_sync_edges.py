@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import anyio
 import pytest
 import torch
-from conftest import exists, tmp_entries
+from conftest import Listings, exists, tmp_entries
 
 import aiockpt
 import aiockpt.sync
@@ -222,9 +222,14 @@ def is_open(agen: Watch) -> bool:
     return frame is not None
 
 
-def in_thread(steps: Generator[int, None, None]) -> tuple[threading.Thread, list[int | BaseException]]:
-    """A thread blocked in ``next(steps)`` (once it has started); what it got, or raised, is listed."""
+def in_thread(
+    steps: Generator[int, None, None], watcher: aiockpt.sync.Checkpointer
+) -> tuple[threading.Thread, list[int | BaseException]]:
+    """A thread blocked in ``next(steps)``, once ``watcher``'s watch listed the root since the call; what
+    it got, or raised, is listed."""
     got: list[int | BaseException] = []
+    listings = Listings.of(watcher._ckpt)
+    seen = listings.count
 
     def take() -> None:
         try:
@@ -234,7 +239,7 @@ def in_thread(steps: Generator[int, None, None]) -> tuple[threading.Thread, list
 
     thread = threading.Thread(target=take, name="watching")
     thread.start()
-    time.sleep(0.2)  # the watch has listed the root, and waits
+    listings.wait_past(seen)  # the watch has listed the root, and waits
     assert not got, got
     return thread, got
 
@@ -265,7 +270,7 @@ def test_leaving_a_watch_loop_closes_the_async_watch_at_once(root: Path) -> None
 
         steps = watcher.watch(poll_interval=0.02)
         assert len(made) == 1  # nothing runs before the first next()
-        thread, got = in_thread(steps)
+        thread, got = in_thread(steps, watcher)
         writer.save({"w": torch.ones(4)}, step=1000)
         thread.join(10)
         assert got == [1000]
@@ -283,7 +288,7 @@ def test_closing_the_checkpointer_ends_a_watch_another_thread_waits_in(root: Pat
     try:
         made = spied(watcher)
         steps = watcher.watch(poll_interval=60)
-        thread, got = in_thread(steps)
+        thread, got = in_thread(steps, watcher)
         started = time.monotonic()
         watcher.close()
         thread.join(10)
@@ -304,7 +309,7 @@ def test_a_watch_left_open_is_closed_with_its_checkpointer(root: Path) -> None:
     with aiockpt.sync.Checkpointer(root) as watcher, aiockpt.sync.Checkpointer(root) as writer:
         made = spied(watcher)
         steps = watcher.watch(poll_interval=0.02)
-        thread, got = in_thread(steps)
+        thread, got = in_thread(steps, watcher)
         writer.save({"w": torch.ones(4)}, step=1)
         thread.join(10)
         assert got == [1]
@@ -352,7 +357,7 @@ def test_watch_errors_are_raised_in_the_caller_thread_as_they_are(root: Path) ->
             next(steps)
 
         steps = watcher.watch(poll_interval=0.02)
-        thread, got = in_thread(steps)
+        thread, got = in_thread(steps, watcher)
         shutil.rmtree(root)
         root.write_text("not a directory")
         thread.join(10)

@@ -15,7 +15,7 @@ from types import ModuleType
 import anyio
 import pytest
 import torch
-from conftest import assert_tree_equal
+from conftest import Listings, assert_tree_equal
 
 import aiockpt
 import aiockpt._load
@@ -32,10 +32,14 @@ def filled(step: int, numel: int = 1 << 14) -> dict[str, object]:
     return {"w": torch.full((numel,), float(step))}
 
 
-async def started(steps: AsyncGenerator[int, None]) -> asyncio.Task[int]:
-    """A task taking the next step of ``steps``, once the watch has listed the root for its baseline."""
+async def started(steps: AsyncGenerator[int, None], watcher: Checkpointer) -> asyncio.Task[int]:
+    """A task taking the next step of ``steps``, once ``watcher``'s watch listed the root since the call
+    (its baseline, or a poll): a step committed after this is new to it. (A fixed sleep, where a loaded
+    machine delayed that listing, let the step into the baseline, and the test waited for it in vain.)"""
+    listings = Listings.of(watcher)
+    seen = listings.count
     task = asyncio.ensure_future(anext(steps))
-    await anyio.sleep(0.2)  # many poll intervals: the first listing is long done
+    await listings.past(seen)
     assert not task.done()
     return task
 
@@ -56,7 +60,7 @@ async def test_watch_yields_a_step_committed_after_a_newer_one(root: Path) -> No
         Checkpointer(root) as watcher,
         contextlib.aclosing(watcher.watch(poll_interval=0.02, coalesce=False)) as steps,
     ):
-        first = await started(steps)
+        first = await started(steps, watcher)
         await writer.save(filled(20), step=20)
         with anyio.fail_after(10):
             assert await first == 20
@@ -72,11 +76,11 @@ async def test_a_coalescing_watch_yields_only_a_new_newest_step(root: Path) -> N
         Checkpointer(root) as watcher,
         contextlib.aclosing(watcher.watch(poll_interval=0.02)) as steps,
     ):
-        first = await started(steps)
+        first = await started(steps, watcher)
         await writer.save(filled(20), step=20)
         with anyio.fail_after(10):
             assert await first == 20
-        pending = await started(steps)
+        pending = await started(steps, watcher)
         await writer.save(filled(10), step=10)  # not the newest: an actor loads 20 anyway
         await anyio.sleep(0.3)
         assert not pending.done(), pending.result()
@@ -92,12 +96,12 @@ async def test_watch_outlives_its_root_being_removed_and_made_again(root: Path) 
         Checkpointer(root) as watcher,
         contextlib.aclosing(watcher.watch(poll_interval=0.02)) as steps,
     ):
-        first = await started(steps)
+        first = await started(steps, watcher)
         async with Checkpointer(root) as writer:
             await writer.save(filled(50), step=50)
         with anyio.fail_after(10):
             assert await first == 50
-        pending = await started(steps)
+        pending = await started(steps, watcher)
         shutil.rmtree(root)
         await anyio.sleep(0.2)  # polls that find no root
         assert not pending.done()
@@ -126,7 +130,7 @@ async def test_watch_yields_the_steps_of_a_root_made_afresh_under_the_old_number
         Checkpointer(root) as watcher,
         contextlib.aclosing(watcher.watch(poll_interval=0.02)) as steps,
     ):
-        pending = await started(steps)
+        pending = await started(steps, watcher)
         root.rename(tmp_path / "old")
         fresh.rename(root)
         with anyio.fail_after(10):
@@ -142,7 +146,7 @@ async def test_a_watch_begun_while_the_root_is_missing_waits_for_it(root: Path) 
     async with Checkpointer(root) as watcher:
         shutil.rmtree(root)
         async with contextlib.aclosing(watcher.watch(poll_interval=0.02)) as steps:
-            pending = await started(steps)
+            pending = await started(steps, watcher)
             await anyio.sleep(0.2)  # polls that find no root
             assert not pending.done()
             async with Checkpointer(root) as writer:
@@ -156,7 +160,7 @@ async def test_watch_still_fails_on_a_root_that_cannot_be_listed(root: Path) -> 
         Checkpointer(root) as watcher,
         contextlib.aclosing(watcher.watch(poll_interval=0.02)) as steps,
     ):
-        first = await started(steps)
+        first = await started(steps, watcher)
         shutil.rmtree(root)
         root.write_text("not a directory")
         with anyio.fail_after(10), pytest.raises(aiockpt.StorageError):
