@@ -144,6 +144,16 @@ def _collect_if_allowed(root: Path) -> None:
             raise
 
 
+def _latest_bytes(step: int) -> bytes:
+    """What ``latest`` holds when it names ``step``: the step directory's name and a newline."""
+    return (step_dir_name(step) + "\n").encode()
+
+
+def _latest_turn(root: Path, locked: bool) -> contextlib.AbstractContextManager[None]:
+    """The writers' turn at ``latest`` (an ``flock``; see :func:`publish_newer`), or none where unlocked."""
+    return flocked(root / LATEST_LOCK) if locked else contextlib.nullcontext()
+
+
 def publish_newer(
     root: Path, step: int, doomed: Iterable[int], *, locked: bool = True
 ) -> tuple[list[Path], OSError | None]:
@@ -172,7 +182,7 @@ def publish_newer(
     Raises:
         OSError: The lock or a step directory cannot be read or written.
     """
-    with flocked(root / LATEST_LOCK) if locked else contextlib.nullcontext():
+    with _latest_turn(root, locked):
         failed: OSError | None = None
         try:
             current = latest_of(root)
@@ -181,7 +191,7 @@ def publish_newer(
                 and (current is None or current < step or not is_checkpoint(root / step_dir_name(current)))
                 and is_checkpoint(root / step_dir_name(step))
             ):
-                replace_durable(root / LATEST, (step_dir_name(step) + "\n").encode())
+                replace_durable(root / LATEST, _latest_bytes(step))
         except OSError as exc:
             failed = exc
         return list(trash_steps(root, doomed).values()), failed
@@ -199,11 +209,10 @@ def repair_latest(root: Path, steps: Sequence[int], *, locked: bool = False) -> 
     """
     if not steps:
         return
-    turn = flocked(root / LATEST_LOCK) if locked else contextlib.nullcontext()
-    with contextlib.suppress(OSError), turn:
+    with contextlib.suppress(OSError), _latest_turn(root, locked):
         current = latest_of(root)
         if current is None or not is_checkpoint(root / step_dir_name(current)):
-            replace_durable(root / LATEST, (step_dir_name(steps[-1]) + "\n").encode())
+            replace_durable(root / LATEST, _latest_bytes(steps[-1]))
 
 
 def _listed_steps(root: Path) -> list[int]:
@@ -819,10 +828,9 @@ class Checkpointer:
         if isinstance(root, S3Path):
             from ._storage._s3 import put, remove
 
-            latest = (step_dir_name(steps[-1]) + "\n").encode()
             failed: Exception | None = None
             try:
-                await put(root, LATEST, latest, create=False)
+                await put(root, LATEST, _latest_bytes(steps[-1]), create=False)
             except StorageError as exc:  # retention goes on without it (see publish_newer)
                 failed = exc
             for s in doomed:
