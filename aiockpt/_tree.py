@@ -28,7 +28,7 @@ from ._format import (
     TupleNode,
     ValueNode,
 )
-from ._threads import dismantle
+from ._threads import OFFER_ITEMS, dismantle, yield_gil
 
 # int64 range: msgpack's signed integers; unsigned values up to 2**64 - 1 are encodable too.
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
@@ -365,6 +365,8 @@ class _Flattener:
                 )
             keys.append(k)
             values.append(self.node(v, (*path, k)))
+            if not len(keys) % OFFER_ITEMS:
+                yield_gil()
         return DictNode(keys=tuple(keys), values=tuple(values), origin=origin)
 
     def tensor(self, t: torch.Tensor, path: KeyPath) -> TensorNode:

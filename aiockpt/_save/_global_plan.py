@@ -15,7 +15,7 @@ import msgspec
 from .._errors import StateError
 from .._format import Chunk, KeyPath, TensorEntry, data_file_name
 from .._gc import collect_young
-from .._threads import dismantle
+from .._threads import OFFER_ITEMS, dismantle, yield_gil
 from .._tree import render
 from ._local_plan import LocalPlan, WriteItem
 
@@ -108,6 +108,8 @@ def global_plan(
         mine = per_rank[rank]
         theirs = own[rank] if own else no_own
         for j, item in enumerate(plan.items):
+            if not j % OFFER_ITEMS:
+                yield_gil()
             if j in theirs:  # per-rank state: a tensor of its own (rank 0's: t == j), this rank's alone
                 t = len(first)
                 first.append(item)
@@ -157,7 +159,9 @@ def global_plan(
 
     # A replicated chunk goes, largest first, to its least-loaded holder: a greedy balance of bytes.
     shared = []
-    for (t, _, _), cands in holders.items():
+    for n, ((t, _, _), cands) in enumerate(holders.items()):
+        if not n % OFFER_ITEMS:
+            yield_gil()
         if len(cands) == 1:
             rank, j = cands[0]
             unsorted[rank] |= _append(per_rank[rank], j, t)
@@ -181,7 +185,9 @@ def global_plan(
         items = plans[rank].items
         pos = 0
         writes = []
-        for j, t in assigned:
+        for n, (j, t) in enumerate(assigned):
+            if not n % OFFER_ITEMS:
+                yield_gil()
             item = items[j]
             nbytes = item.nbytes
             a = PAGE if nbytes >= LARGE else SMALL_ALIGN

@@ -6,6 +6,7 @@ import msgspec
 
 from .._format import KeyPath
 from .._memory import nbytes_of
+from .._threads import OFFER_ITEMS, yield_gil
 from .._tree import Flattened, dtype_name
 
 
@@ -36,8 +37,10 @@ class LocalPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 def local_plan(rank: int, flat: Flattened) -> LocalPlan:
     """Plan the writes of ``rank``: one chunk per tensor, the whole tensor or its DTensor shard."""
     zeros = [(0,) * n for n in range(8)]
-    items = []
+    items: list[WriteItem] = []
     for path, t, box in zip(flat.paths, flat.tensors, flat.boxes, strict=True):
+        if not len(items) % OFFER_ITEMS:
+            yield_gil()
         sizes = tuple(t.shape)
         if box is None:  # a plain tensor: the whole of it, identical wherever it is held
             nd = len(sizes)

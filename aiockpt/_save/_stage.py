@@ -22,7 +22,7 @@ from .._cuda import cuda_devices, wait
 from .._gc import collect_young, paused
 from .._memory import PAGE, Claim, StagingPool, byte_view, nbytes_of, plain_cpu, plain_view
 from .._runs import lanes
-from .._threads import acquire_sync, each_in_thread, release, run_sync, yield_gil
+from .._threads import OFFER_ITEMS, acquire_sync, each_in_thread, release, run_sync, yield_gil
 from .._tree import Flattened, flatten
 
 # Large staged tensors start at multiples of this (the staging buffer itself does, see ``page_aligned``):
@@ -220,6 +220,8 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
     large: list[int] = []
     nbytes = 0
     for i, t in enumerate(tensors):
+        if not i % OFFER_ITEMS:
+            yield_gil()
         n = nbytes_of(t)
         nbytes += n
         # Others (GPU tensors, lazy conj/neg views) go through a copy.

@@ -45,7 +45,7 @@ from .._runs import (
     write_direct,
     write_run,
 )
-from .._threads import Aborted, acquire_sync, release, run_each, run_sync, yield_gil
+from .._threads import OFFER_ITEMS, Aborted, acquire_sync, release, run_each, run_sync, yield_gil
 from ._global_plan import RankPlan
 
 
@@ -65,6 +65,8 @@ class WriteResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 def _pieces(plan: RankPlan, sources: Sequence[memoryview], block: int) -> list[Piece]:
     pieces: list[Piece] = []
     for j, w in enumerate(plan.writes):
+        if not j % OFFER_ITEMS:
+            yield_gil()
         pieces += split(w.offset, sources[w.item], j, block)
     return pieces
 
