@@ -240,6 +240,8 @@ class MachineStalls:
         self._proc.terminate()
         self._proc.wait()
         self._reader.join(timeout=5)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
 
     def shared(self, late: list[tuple[float, float]]) -> int:
         """How many of ``late`` (from :class:`LagMonitor`) overlap a stall of this process by half or more.

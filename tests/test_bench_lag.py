@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from benchmarks import _lag, _report
+from benchmarks import _lag, _report, _suite
 from benchmarks._lag import LagMonitor, LagStats, LateWake, late_wake
-from benchmarks._results import LagRow, Results
+from benchmarks._results import LagRow, Measurement, Results
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="the split comes from /proc/thread-self/schedstat")
 
@@ -67,3 +69,43 @@ def test_the_monitor_tells_a_loop_that_ran_from_one_that_was_held() -> None:
     assert held.ran_ms is not None
     assert held.off_cpu_ms is not None
     assert held.off_cpu_ms > held.ran_ms  # sleeping, it was on none
+
+
+def _collector() -> tuple[bool, tuple[int, ...]]:
+    return gc.isenabled(), gc.get_threshold()
+
+
+def _older_held(seen: tuple[bool, tuple[int, ...]]) -> bool:
+    enabled, threshold = seen
+    if sys.version_info >= (3, 14):
+        return not enabled
+    return threshold[1:] == (_suite._NEVER, _suite._NEVER) and threshold[0] == gc.get_threshold()[0]
+
+
+def test_every_case_runs_with_only_the_youngest_generation_collected(tmp_path: Path) -> None:
+    # A full collection of the suite's heap inside the thread-write baseline made its max (the bar a
+    # call's max is held to) a stall of the suite's own: every case, sync or in the loop, runs without.
+    before = _collector()
+    seen: dict[str, tuple[bool, tuple[int, ...]]] = {}
+
+    def sync() -> _suite.Outcome:
+        seen["sync"] = _collector()
+        return _suite.Outcome(0.001)
+
+    async def coro() -> _suite.Outcome:
+        seen["coro"] = _collector()
+        await asyncio.sleep(0.002)
+        return _suite.Outcome(0.002)
+
+    suite = _suite.Suite(tmp_path, 1, _suite.parse_only("small"), None, Results(machine={}, config={}))
+    try:
+        for name, kind in (("sync", {"sync": sync}), ("coro", {"coro": coro})):
+            m = Measurement(state="B", group="limit", case=name, nbytes=1)
+            suite.results.measurements.append(m)
+            suite.run_rounds([_suite.Case(m, lambda: None, **kind)])
+    finally:
+        suite.close()
+    assert _older_held(seen["sync"])
+    assert _older_held(seen["coro"])
+    assert _collector() == before  # given back after each case
+    assert [m.seconds for m in suite.results.measurements] == [[0.001], [0.002]]
