@@ -29,8 +29,8 @@ METHOD = " ".join(
         "in the same event loop sleeps 1 ms in a loop while the operation runs; lag = actual sleep - 1 ms.",
         "For a call's longest late wake (over 10 ms): when it came (seconds into the call), and how much",
         "of it the loop's thread ran on a CPU, waited runnable for one, and spent off every CPU (the GIL, a",
-        "blocking call, a late timer), from the thread's schedstat. During every case Python's collector",
-        "collects only its youngest generation (the suite's heap is collected between cases).",
+        "blocking call, a late timer), from the thread's schedstat. Before every case the suite's own heap",
+        "is collected and frozen (gc.freeze): the collections during a case walk only what it allocated.",
     ]
 )
 

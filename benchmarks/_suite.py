@@ -146,38 +146,24 @@ def _nothing() -> None:
     pass
 
 
-# Generations 1 and 2 are collected after this many collections of the one below: never, within a case.
-_NEVER = 1 << 30
-
-
 @contextlib.contextmanager
-def _young_collections_only() -> Iterator[None]:
-    """While the block runs, let Python's collector collect only its youngest generation.
+def _suite_heap_frozen() -> Iterator[None]:
+    """While the block runs, keep the suite's own heap out of Python's collections.
 
-    A full collection walks the suite's whole heap (the states, templates and results of every case) on
-    whichever thread allocates: 95-225 ms on the event loop's thread here, in any case, as a stall of
-    the loop that is the suite's, not the measured call's. Such a collection inside the thread-write
-    baseline made its max, the bar a call's loop-lag max is held to, 89-217 ms (its longest wakes had the
-    loop's thread running 50-55 ms). aiockpt holds the older generations off during its own calls; the
-    suite now does so around every case, whichever library, and collects after it (``run_rounds``).
-    On Python 3.14 and later, whose collector is incremental and reads the thresholds otherwise, the
-    collector is off for the block instead.
+    The suite holds the states, templates and results of every case: a full collection of that heap
+    took 95-225 ms here, on whichever thread allocated, as part of whatever case ran. One inside the
+    thread-write baseline made its loop-lag max, the bar a call's max is held to, 89-217 ms (its longest
+    wakes had the loop's thread running 50-55 ms), and the other libraries' times included such
+    collections of a heap that is the suite's, not their caller's. So before each case the heap is
+    collected and then frozen (``gc.freeze``): the collections during the case run as usual, but walk
+    only what the case allocated. It is unfrozen after the case.
     """
-    if sys.version_info >= (3, 14):
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            yield
-        finally:
-            if enabled:
-                gc.enable()
-        return
-    threshold = gc.get_threshold()
-    gc.set_threshold(threshold[0], _NEVER, _NEVER)
+    gc.collect()
+    gc.freeze()
     try:
         yield
     finally:
-        gc.set_threshold(*threshold)
+        gc.unfreeze()
 
 
 def _timed(fn: Callable[..., object], *args: object) -> Outcome:
@@ -245,12 +231,10 @@ class Suite:
                     async with monitor:
                         return await make()
 
-                with _young_collections_only():
-                    out = self.loop.run_until_complete(body())
+                out = self.loop.run_until_complete(body())
             else:
                 assert case.sync is not None
-                with _young_collections_only():
-                    out = case.sync()
+                out = case.sync()
         except Exception as exc:
             case.failed = True
             m.note = f"FAILED: {type(exc).__name__}"
@@ -295,8 +279,8 @@ class Suite:
                     if req is not None and not req.m.seconds and not case.m.note:
                         case.m.note = f"skipped: {req.m.case} failed"
                     continue
-                self._once(case)
-                gc.collect()
+                with _suite_heap_frozen():  # (collects what the case before left first)
+                    self._once(case)
         for case in cases:
             if case.coro is None or not case.m.seconds:
                 continue
