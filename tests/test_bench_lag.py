@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,3 +103,25 @@ def test_every_case_runs_with_the_suites_own_heap_frozen(tmp_path: Path) -> None
     assert seen["sync"] > before[0] + 1000
     assert seen["coro"] > before[0] + 1000
     assert [m.seconds for m in suite.results.measurements] == [[0.001], [0.002]]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="stops the process with SIGSTOP")
+def test_the_stall_process_records_a_stall_without_a_thread_in_the_measured_process() -> None:
+    # A thread of the suite's reading the stalls as they came took the GIL from the measured loop at
+    # exactly those moments: they are read from a file when asked for.
+    threads = threading.active_count()
+    stalls = _lag.MachineStalls()
+    try:
+        assert threading.active_count() == threads
+        deadline = time.monotonic() + 10
+        while not stalls.stalls and time.monotonic() < deadline:
+            os.kill(stalls._proc.pid, signal.SIGSTOP)  # held as a host holds a VM's CPU
+            time.sleep(0.05)
+            os.kill(stalls._proc.pid, signal.SIGCONT)
+            time.sleep(0.05)
+        (start, lag), *_ = stalls.stalls
+        assert lag >= 0.04
+        # A loop's late wake over the same span is the machine's; one a second later is not.
+        assert stalls.shared([(start, lag), (start + 1.0, lag)]) == 1
+    finally:
+        stalls.close()
