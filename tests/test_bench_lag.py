@@ -113,14 +113,17 @@ def test_the_stall_process_records_a_stall_without_a_thread_in_the_measured_proc
     stalls = _lag.MachineStalls()
     try:
         assert threading.active_count() == threads
+
+        def held() -> list[tuple[float, float]]:  # (the machine's own stalls are shorter, if any)
+            return [(start, lag) for start, lag in stalls.stalls if lag >= 0.04]
+
         deadline = time.monotonic() + 10
-        while not stalls.stalls and time.monotonic() < deadline:
+        while not held() and time.monotonic() < deadline:
             os.kill(stalls._proc.pid, signal.SIGSTOP)  # held as a host holds a VM's CPU
             time.sleep(0.05)
             os.kill(stalls._proc.pid, signal.SIGCONT)
             time.sleep(0.05)
-        (start, lag), *_ = stalls.stalls
-        assert lag >= 0.04
+        (start, lag), *_ = held()
         # A loop's late wake over the same span is the machine's; one a second later is not.
         assert stalls.shared([(start, lag), (start + 1.0, lag)]) == 1
     finally:
