@@ -179,11 +179,12 @@ def _until_done(
         # though no future reached this thread (see _Handover).
         future = portal.start_task_soon(run)
         return cast("T", future.result())
-    except RuntimeError:
-        if future is None:  # anyio: "This portal is not running" (closed since the caller checked)
+    except BaseException as exc:
+        # One clause for all: a RuntimeError raised by a signal handler while this thread waits is an
+        # interruption like any other, whose call must be cancelled.
+        if future is None and isinstance(exc, RuntimeError):
+            # anyio: "This portal is not running" (closed since the caller checked)
             raise _PortalStopped(closed) from None
-        raise
-    except BaseException:
         if not ended.is_set():  # interrupted: ``call`` may run, or be about to begin
             began = True
             with contextlib.suppress(RuntimeError):  # anyio: the portal has stopped (and `run` with it)
