@@ -505,13 +505,7 @@ async def test_a_bulk_writes_threads_share_one_cpu_besides_the_loops(
 
     monkeypatch.setattr(_checker, "_claim", claim)
     seen: list[set[int]] = []
-
-    def spy(*args: Any) -> None:
-        seen.append(os.sched_getaffinity(0))
-        real(*args)
-
-    real = _write.write_runs
-    monkeypatch.setattr(_write, "write_runs", spy)
+    monkeypatch.setattr(_write, "write_runs", _recording(_write.write_runs, seen))
     monkeypatch.setattr(Direct, "prepare", _recording(Direct.prepare, seen))
     state = {f"t{i}": torch.randn(*shape[1:]) for i in range(shape[0])}
     before = os.sched_getaffinity(0)
@@ -523,11 +517,11 @@ async def test_a_bulk_writes_threads_share_one_cpu_besides_the_loops(
     assert os.sched_getaffinity(0) == before
 
 
-def _recording(
-    prepare: Callable[[Direct, Checksums, threading.Event], None], seen: list[set[int]]
-) -> Callable[[Direct, Checksums, threading.Event], None]:
-    def spy(self: Direct, sums: Checksums, abort: threading.Event) -> None:
+def _recording(fn: Callable[..., None], seen: list[set[int]]) -> Callable[..., None]:
+    """``fn`` (a function, or a method set on its class), noting the CPUs its calling thread may use."""
+
+    def spy(*args: Any) -> None:
         seen.append(os.sched_getaffinity(0))
-        prepare(self, sums, abort)
+        fn(*args)
 
     return spy
