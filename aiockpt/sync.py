@@ -180,15 +180,16 @@ def _until_done(
         future = portal.start_task_soon(run)
         return cast("T", future.result())
     except BaseException as exc:
-        # One clause for all: a RuntimeError raised by a signal handler while this thread waits is an
-        # interruption like any other, whose call must be cancelled.
-        if future is None and isinstance(exc, RuntimeError):
-            # anyio: "This portal is not running" (closed since the caller checked)
-            raise _PortalStopped(closed) from None
+        # One clause for all: a RuntimeError raised by a signal handler (during the hand-over or the wait)
+        # is an interruption like any other, whose call must be cancelled. anyio's own, for a portal not
+        # running, is told apart by the portal refusing the cancellation too.
         if not ended.is_set():  # interrupted: ``call`` may run, or be about to begin
             began = True
-            with contextlib.suppress(RuntimeError):  # anyio: the portal has stopped (and `run` with it)
+            try:
                 began = portal.call(handover.cancel)
+            except RuntimeError:  # anyio: the portal has stopped (and `run` with it, if it began)
+                if future is None and isinstance(exc, RuntimeError):  # (closed since the caller checked)
+                    raise _PortalStopped(closed) from None
             # Bounded by the thread: a task that never started sets nothing, but ends with the loop.
             while began and not ended.wait(0.05) and thread.is_alive():
                 pass
