@@ -32,10 +32,12 @@ from ._errors import (
 from ._format import MANIFEST_NAME, Key, part_dir_name
 from ._fs import (
     TMP_PREFIX,
+    IrregularFileError,
     collect_garbage,
     flocked,
     fsync_dir,
     not_a_directory,
+    read_regular,
     remove_tree,
     replace_durable,
 )
@@ -82,12 +84,15 @@ def step_of(name: str) -> int | None:
 def latest_of(root: Path) -> int | None:
     """The step that ``root``'s ``latest`` names, or ``None`` (no ``latest``, or not a step's name). Blocking.
 
+    A FIFO, socket or device named ``latest`` names no step (read, a FIFO would wait for a writer): a
+    writer replaces it as it does a missing one.
+
     Raises:
         OSError: ``latest`` exists but cannot be read.
     """
     try:
-        name = (root / LATEST).read_bytes().decode(errors="replace").strip()
-    except FileNotFoundError:
+        name = read_regular(root / LATEST).decode(errors="replace").strip()
+    except (FileNotFoundError, IrregularFileError):
         return None
     return step_of(name)
 

@@ -107,6 +107,53 @@ def irregular(mode: int) -> str | None:
     return "a directory" if stat.S_ISDIR(mode) else "not a regular file"
 
 
+class IrregularFileError(OSError):
+    """:func:`read_regular` found a FIFO, a socket or a device where it wanted a regular file (``EINVAL``)."""
+
+
+def open_readable(path: Path | str) -> int:
+    """``path`` opened read-only without waiting for anything: a FIFO's plain ``open`` waits for a writer.
+
+    That wait would hold a worker thread that no cancellation reaches, for as long as nobody writes. Opened
+    with ``O_NONBLOCK``, any file opens at once; for a regular file the flag is cleared again (some FUSE
+    file systems pass it on), so that reads behave as usual. The caller checks what it opened
+    (:func:`irregular` of its ``fstat``) before it reads: a FIFO opened so reads as empty, never waits.
+
+    Raises:
+        OSError: The open failed.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path) -> bytes:
+    """All of the regular file ``path`` (a manifest, a pointer); anything else is refused without a wait.
+
+    Raises:
+        IrregularFileError: ``path`` is a FIFO, a socket or a device ("not a regular file").
+        OSError: ``path`` cannot be opened or read (``IsADirectoryError`` for a directory, as ``open``).
+    """
+    fd = open_readable(path)
+    try:
+        found = os.fstat(fd)
+        if stat.S_ISDIR(found.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(found.st_mode):
+            raise IrregularFileError(errno.EINVAL, "not a regular file", str(path))
+        chunks = []
+        while chunk := os.read(fd, max(found.st_size + 1, 1 << 16)):  # (one read for most files)
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def rename_noreplace(src: Path, dst: Path) -> None:
     """Atomically rename ``src`` to ``dst``, failing if ``dst`` exists.
 

@@ -23,7 +23,7 @@ import anyio
 
 from ._errors import CheckpointNotFoundError, CorruptionError, StorageError
 from ._format import Chunk, Manifest
-from ._fs import irregular
+from ._fs import irregular, open_readable
 from ._gc import paused
 from ._insulate import insulated
 from ._load import exists, read_manifest
@@ -352,7 +352,7 @@ async def _verify(directory: Path, io: IOConfig, progress: Callable[[int, int], 
         jobs: list[tuple[str, Run]] = []
         for name, pieces in by_file.items():
             try:
-                fd = os.open(directory / name, os.O_RDONLY)
+                fd = open_readable(directory / name)
             except FileNotFoundError:
                 for p in pieces:
                     problems.add(p.item, "data file is missing")

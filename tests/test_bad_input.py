@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import cast
 
+import anyio
 import pytest
 import torch
 from conftest import (
@@ -272,6 +273,56 @@ async def test_missing_data_file_is_a_corruption_error(ckpt_path: Path) -> None:
     os.unlink(ckpt_path / DATA)
     with pytest.raises(CorruptionError, match=DATA):
         await aiockpt.read(ckpt_path)
+
+
+def _fifo_in_place_of(path: Path) -> None:
+    """Replace ``path`` with a FIFO: a plain ``open`` of it waits for a writer, in a thread nothing stops."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    os.unlink(path)
+    os.mkfifo(path)
+
+
+@pytest.mark.parametrize("op", ["read", "load", "verify"])
+async def test_a_fifo_for_a_data_file_is_an_error_naming_it_not_a_hang(op: str, ckpt_path: Path) -> None:
+    await saved(ckpt_path)
+    _fifo_in_place_of(ckpt_path / DATA)
+    with anyio.fail_after(30):  # (a hang would outlast it: the thread in ``open`` cannot be cancelled)
+        if op == "verify":
+            report = await aiockpt.verify(ckpt_path)
+            assert not report.ok
+            assert {p.file for p in report.problems} == {str(ckpt_path / DATA)}
+            assert all("not a regular file" in str(p) for p in report.problems)
+            return
+        with pytest.raises(CorruptionError) as info:
+            await read_or_load(op, ckpt_path, {"weights": torch.zeros(4096), "step": 0})
+    assert "not a regular file" in str(info.value)
+    assert info.value.file == str(ckpt_path / DATA)
+
+
+async def test_a_fifo_for_a_manifest_is_a_format_error_not_a_hang(ckpt_path: Path) -> None:
+    await saved(ckpt_path)
+    _fifo_in_place_of(ckpt_path / MANIFEST)
+    with anyio.fail_after(30):
+        for call in (aiockpt.read, aiockpt.read_metadata, aiockpt.verify):
+            with pytest.raises(FormatError, match="not a regular file") as info:
+                await call(ckpt_path)
+            assert info.value.file == str(ckpt_path / MANIFEST)
+
+
+async def test_a_fifo_for_latest_neither_hangs_nor_stops_saves_and_loads(root: Path) -> None:
+    """``latest`` is a hint: a FIFO in its place names no step, and a writer replaces it as a missing one."""
+    async with aiockpt.Checkpointer(root) as ckpt:
+        await ckpt.save({"w": torch.ones(3)}, step=1)
+    _fifo_in_place_of(root / "latest")
+    with anyio.fail_after(30):
+        async with aiockpt.Checkpointer(root) as ckpt:
+            assert ckpt.latest_step() == 1
+            await ckpt.save({"w": torch.full((3,), 2.0)}, step=2)
+            target: dict[str, object] = {"w": torch.zeros(3)}
+            await ckpt.load(target)
+            assert_tree_equal(target, {"w": torch.full((3,), 2.0)})
+    assert (root / "latest").is_file()
 
 
 async def test_data_file_that_cannot_be_opened_is_a_storage_error_naming_it(

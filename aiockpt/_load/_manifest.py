@@ -35,6 +35,7 @@ from .._format import (
     TupleNode,
     part_dir_name,
 )
+from .._fs import read_regular
 from .._gc import paused
 from .._merge import Signature, merge, reindex
 from .._tree import UNSUPPORTED_DTYPES, dtype_from_name, render
@@ -55,8 +56,7 @@ def _raw(path: Path) -> tuple[bytes, str]:
     """The bytes of ``path / manifest.msgpack``, and its name for errors (see :func:`_read_one`)."""
     file = path / MANIFEST_NAME
     try:
-        with open(file, "rb") as f:
-            raw = f.read()
+        raw = read_regular(file)
     except FileNotFoundError:
         if not path.exists():
             raise CheckpointNotFoundError(f"no checkpoint at {path}: it does not exist") from None

@@ -34,7 +34,7 @@ import torch
 from .._cuda import cuda_devices, current, in_use, noted, wait
 from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
-from .._fs import irregular
+from .._fs import irregular, open_readable
 from .._gc import paused
 from .._memory import byte_view, plain_cpu, plain_view, view_at
 from .._pagecache import drop_behind, kept, resident, sweep
@@ -406,7 +406,7 @@ def cached_pages(directory: Path, manifest: Manifest) -> dict[str, bytes | None]
     out: dict[str, bytes | None] = {}
     for info in manifest.files:
         try:
-            fd = os.open(directory / info.name, os.O_RDONLY)
+            fd = open_readable(directory / info.name)
         except OSError:
             continue
         try:
@@ -559,7 +559,7 @@ async def read_into(
         for name, pieces in by_file.items():
             path = directory / name
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_readable(path)
             except FileNotFoundError:
                 raise corrupt(reads[pieces[0].item], "data file is missing") from None
             except OSError as exc:

@@ -22,7 +22,7 @@ from .._codec import encode as sliced_encode
 from .._cuda import noting
 from .._errors import CheckpointExistsError, DistributedError, StorageError
 from .._format import MANIFEST_NAME, DictNode, Manifest
-from .._fs import LOCK_SUFFIX, NAME_MAX, OwnerLock, not_a_directory, remove_tree, temp_name
+from .._fs import LOCK_SUFFIX, NAME_MAX, OwnerLock, not_a_directory, read_regular, remove_tree, temp_name
 from .._gc import collect_young, paused
 from .._handle import Metadata, SaveMetrics, SaveState
 from .._load._manifest import decode_summary
@@ -193,7 +193,7 @@ async def _give_back(pool: StagingPool, staged: Staged, limiter: anyio.CapacityL
 def _read_summary(path: Path) -> tuple[Manifest, int, int]:
     """What a non-coordinator rank reports about a checkpoint rank 0 published (checked as a load would)."""
     file = path / MANIFEST_NAME
-    return decode_summary(file.read_bytes(), str(file))
+    return decode_summary(read_regular(file), str(file))
 
 
 def open_tmp(path: Path) -> tuple[Path, OwnerLock]:
