@@ -132,6 +132,26 @@ def open_readable(path: Path | str) -> int:
     return fd
 
 
+def open_regular(path: Path | str) -> int:
+    """``path`` opened read-only (see :func:`open_readable`), where it is a regular file; else refused.
+
+    Raises:
+        IrregularFileError: ``path`` is a FIFO, a socket or a device ("not a regular file").
+        OSError: ``path`` cannot be opened (``IsADirectoryError`` for a directory, as ``open``).
+    """
+    fd = open_readable(path)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(mode):
+            raise IrregularFileError(errno.EINVAL, "not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_regular(path: Path) -> bytes:
     """All of the regular file ``path`` (a manifest, a pointer); anything else is refused without a wait.
 
@@ -139,19 +159,8 @@ def read_regular(path: Path) -> bytes:
         IrregularFileError: ``path`` is a FIFO, a socket or a device ("not a regular file").
         OSError: ``path`` cannot be opened or read (``IsADirectoryError`` for a directory, as ``open``).
     """
-    fd = open_readable(path)
-    try:
-        found = os.fstat(fd)
-        if stat.S_ISDIR(found.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(found.st_mode):
-            raise IrregularFileError(errno.EINVAL, "not a regular file", str(path))
-        chunks = []
-        while chunk := os.read(fd, max(found.st_size + 1, 1 << 16)):  # (one read for most files)
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+    with open(open_regular(path), "rb") as f:
+        return f.read()
 
 
 def rename_noreplace(src: Path, dst: Path) -> None:

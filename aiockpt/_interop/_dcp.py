@@ -35,6 +35,7 @@ import torch
 
 from .._errors import CorruptionError, FormatError, StateError, StorageError
 from .._format import MAX_READ_DEPTH, Chunk, KeyPath, Manifest, Node, PickleNode, TensorEntry, TensorNode
+from .._fs import open_regular
 from .._load._manifest import MAX_BYTES, box_inside, dtype_itemsize
 from .._load._match import Destination
 from .._load._read import read_into
@@ -277,7 +278,7 @@ class DcpSource(DecodingSource):
         """Where the chunk's raw bytes start, if its blob holds them plainly (see ``_torchblob``)."""
         if file not in self._fds:
             try:
-                self._fds[file] = os.open(self.location / file, os.O_RDONLY)
+                self._fds[file] = open_regular(self.location / file)
             except OSError:  # reported, naming the key, when the chunk is decoded
                 self._fds[file] = None
         fd = self._fds[file]
@@ -319,7 +320,7 @@ class DcpSource(DecodingSource):
         """
         path = self.location / file
         try:
-            with open(path, "rb") as f:
+            with open(open_regular(path), "rb") as f:  # (a FIFO would block a plain open)
                 # (The file's size bounds the read: the metadata can say any length.)
                 size = os.fstat(f.fileno()).st_size
                 data = b""

@@ -31,6 +31,7 @@ import anyio
 
 from .._errors import CorruptionError, StorageError
 from .._format import KeyPath, Manifest
+from .._fs import open_regular
 from .._gc import paused
 from .._load._aliasing import memory_of
 from .._load._match import Destination
@@ -318,7 +319,7 @@ def _error(directory: Path, check: Check, what: str) -> CorruptionError:
 def _open(directory: Path, check: Check) -> int:
     """The file of ``check``'s record, opened to read. Blocking."""
     try:
-        return os.open(directory / check.file, os.O_RDONLY)
+        return open_regular(directory / check.file)  # (a FIFO would block a plain open)
     except FileNotFoundError:
         raise _error(directory, check, "data file is missing") from None
     except OSError as exc:

@@ -24,6 +24,7 @@ import anyio
 
 from .._errors import CorruptionError, FormatError, StorageError
 from .._format import Chunk, FileInfo, Manifest, Node, TensorEntry, TensorNode
+from .._fs import open_regular
 from .._load._match import Destination
 from .._load._read import read_into
 from .._tree import dtype_from_name
@@ -72,7 +73,7 @@ def is_hf_dir(path: Path) -> bool:
 def _header(file: Path) -> tuple[int, dict[str, object], int]:
     """``(data start, header, file size)`` of a safetensors file. Blocking."""
     try:
-        with open(file, "rb") as f:
+        with open(open_regular(file), "rb") as f:  # (a FIFO named in an index would block a plain open)
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
