@@ -355,6 +355,14 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
+def fifo_in_place_of(path: Path) -> None:
+    """Replace ``path`` with a FIFO (skips where there are none): a plain ``open`` of it waits for writers."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    os.unlink(path)
+    os.mkfifo(path)
+
+
 def resident_pages(path: Path) -> bytes:
     """One byte per page of ``path``, nonzero where the page cache holds it (skips where unknown)."""
     from aiockpt._pagecache import resident

@@ -19,6 +19,7 @@ from conftest import (
     at,
     dir_tree,
     exists,
+    fifo_in_place_of,
     file_size,
     flip_byte,
     listdir,
@@ -275,18 +276,10 @@ async def test_missing_data_file_is_a_corruption_error(ckpt_path: Path) -> None:
         await aiockpt.read(ckpt_path)
 
 
-def _fifo_in_place_of(path: Path) -> None:
-    """Replace ``path`` with a FIFO: a plain ``open`` of it waits for a writer, in a thread nothing stops."""
-    if not hasattr(os, "mkfifo"):
-        pytest.skip("no FIFOs on this platform")
-    os.unlink(path)
-    os.mkfifo(path)
-
-
 @pytest.mark.parametrize("op", ["read", "load", "verify"])
 async def test_a_fifo_for_a_data_file_is_an_error_naming_it_not_a_hang(op: str, ckpt_path: Path) -> None:
     await saved(ckpt_path)
-    _fifo_in_place_of(ckpt_path / DATA)
+    fifo_in_place_of(ckpt_path / DATA)
     with anyio.fail_after(30):  # (a hang would outlast it: the thread in ``open`` cannot be cancelled)
         if op == "verify":
             report = await aiockpt.verify(ckpt_path)
@@ -302,7 +295,7 @@ async def test_a_fifo_for_a_data_file_is_an_error_naming_it_not_a_hang(op: str, 
 
 async def test_a_fifo_for_a_manifest_is_a_format_error_not_a_hang(ckpt_path: Path) -> None:
     await saved(ckpt_path)
-    _fifo_in_place_of(ckpt_path / MANIFEST)
+    fifo_in_place_of(ckpt_path / MANIFEST)
     with anyio.fail_after(30):
         for call in (aiockpt.read, aiockpt.read_metadata, aiockpt.verify):
             with pytest.raises(FormatError, match="not a regular file") as info:
@@ -314,7 +307,7 @@ async def test_a_fifo_for_latest_neither_hangs_nor_stops_saves_and_loads(root: P
     """``latest`` is a hint: a FIFO in its place names no step, and a writer replaces it as a missing one."""
     async with aiockpt.Checkpointer(root) as ckpt:
         await ckpt.save({"w": torch.ones(3)}, step=1)
-    _fifo_in_place_of(root / "latest")
+    fifo_in_place_of(root / "latest")
     with anyio.fail_after(30):
         async with aiockpt.Checkpointer(root) as ckpt:
             assert ckpt.latest_step() == 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import random
 import struct
@@ -27,7 +26,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from conftest import assert_tree_equal, random_tensor
+from conftest import assert_tree_equal, fifo_in_place_of, random_tensor
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -555,14 +554,6 @@ def test_crc32_combine_is_zlibs() -> None:
         assert _records.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
 
 
-def _fifo_in_place_of(path: Path) -> None:
-    """Replace ``path`` with a FIFO: a plain ``open`` of it waits for a writer, in a thread nothing stops."""
-    if not hasattr(os, "mkfifo"):
-        pytest.skip("no FIFOs on this platform")
-    os.unlink(path)
-    os.mkfifo(path)
-
-
 async def test_a_fifo_for_a_safetensors_shard_is_an_error_naming_it_not_a_hang(tmp_path: Path) -> None:
     directory = tmp_path / "hf"
     directory.mkdir()
@@ -572,7 +563,7 @@ async def test_a_fifo_for_a_safetensors_shard_is_an_error_naming_it_not_a_hang(t
     index = {"weight_map": {key: file for file, key in shards.items()}}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     shard = directory / "model-00002-of-00002.safetensors"
-    _fifo_in_place_of(shard)
+    fifo_in_place_of(shard)
     with anyio.fail_after(30), pytest.raises(aiockpt.StorageError, match="not a regular file") as info:
         await aiockpt.read(directory)
     assert info.value.path == str(shard)
@@ -583,7 +574,7 @@ async def test_a_fifo_for_a_dcp_data_file_is_an_error_naming_it_not_a_hang(op: s
     state = {"w": torch.randn(64), "b": torch.randn(8)}
     _dcp_save(state, tmp_path / "d")
     (data,) = (tmp_path / "d").glob("*.distcp")
-    _fifo_in_place_of(data)
+    fifo_in_place_of(data)
     call = (
         partial(aiockpt.read, tmp_path / "d")
         if op == "read"
