@@ -108,7 +108,7 @@ def irregular(mode: int) -> str | None:
 
 
 class IrregularFileError(OSError):
-    """:func:`read_regular` found a FIFO, a socket or a device where it wanted a regular file (``EINVAL``)."""
+    """:func:`open_regular` found a FIFO, a socket or a device where it wanted a regular file (``EINVAL``)."""
 
 
 def open_readable(path: Path | str) -> int:
