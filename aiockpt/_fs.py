@@ -115,17 +115,16 @@ def open_readable(path: Path | str) -> int:
     """``path`` opened read-only without waiting for anything: a FIFO's plain ``open`` waits for a writer.
 
     That wait would hold a worker thread that no cancellation reaches, for as long as nobody writes. Opened
-    with ``O_NONBLOCK``, any file opens at once; for a regular file the flag is cleared again (some FUSE
-    file systems pass it on), so that reads behave as usual. The caller checks what it opened
-    (:func:`irregular` of its ``fstat``) before it reads: a FIFO opened so reads as empty, never waits.
+    with ``O_NONBLOCK``, any file opens at once; the flag, needed by the open only, is cleared again (some
+    FUSE file systems would pass it on to reads). The caller checks what it opened (:func:`irregular` of
+    its ``fstat``) before it reads: a FIFO that no writer holds open reads as empty.
 
     Raises:
         OSError: The open failed.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
         raise
