@@ -9,15 +9,17 @@ reported naming the key and the ``.distcp`` file (neither ``torch.load`` nor ``d
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
+import os
 import pickle
 import random
 import struct
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,7 +35,10 @@ from safetensors.torch import load_file, save_file
 import aiockpt
 from aiockpt._interop import _records
 from aiockpt._interop._dcp import DcpSource
-from aiockpt._interop._torchfile import TorchFileSource
+from aiockpt._interop._dcp import read_metadata as read_dcp_metadata
+from aiockpt._interop._safetensors import SafetensorsSource
+from aiockpt._interop._torchblob import stored_records
+from aiockpt._interop._torchfile import TorchFileSource, is_torch_file
 from aiockpt._load._match import Destination
 
 # --- safetensors: the tensors must tile the data section ----------------------------------------------------
@@ -583,3 +588,45 @@ async def test_a_fifo_for_a_dcp_data_file_is_an_error_naming_it_not_a_hang(op: s
     with anyio.fail_after(30), pytest.raises(aiockpt.StorageError, match="not a regular file") as info:
         await call()
     assert info.value.path == str(data)
+
+
+def _not_blocked(call: Callable[[], object], fifo: Path) -> object:
+    """``call()``, which must not wait on ``fifo``: one that does is failed (its thread let go), not hung."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(call)
+        try:
+            return future.result(timeout=15)
+        except concurrent.futures.TimeoutError:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a writer: the blocked open returns
+            pytest.fail(f"blocked opening the FIFO {fifo}")
+
+
+def test_a_fifo_swapped_in_for_a_torch_file_after_detection_is_no_torch_file(tmp_path: Path) -> None:
+    file = tmp_path / "x.pt"
+    torch.save({"a": torch.ones(4)}, file)
+    fifo_in_place_of(file)
+    assert _not_blocked(partial(is_torch_file, file), file) is False
+    assert _not_blocked(partial(stored_records, file), file) is None
+
+
+def test_a_fifo_for_dcp_metadata_is_an_error_naming_it_not_a_hang(tmp_path: Path) -> None:
+    _dcp_save({"w": torch.randn(8)}, tmp_path / "d")
+    metadata = tmp_path / "d" / ".metadata"
+    fifo_in_place_of(metadata)
+    with pytest.raises(aiockpt.StorageError, match="not a regular file") as info:
+        _not_blocked(partial(read_dcp_metadata, tmp_path / "d", allow_pickle=False), metadata)
+    assert info.value.path == str(metadata)
+
+
+def test_a_fifo_swapped_in_for_a_safetensors_index_is_an_error_not_a_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    save_file({"a": torch.ones(4)}, directory / "model-00001-of-00001.safetensors")
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00001.safetensors"}}))
+    fifo_in_place_of(index)
+    monkeypatch.setattr(Path, "is_file", lambda self: True)  # as if swapped in after the check
+    with pytest.raises(aiockpt.FormatError, match="not a regular file"):
+        _not_blocked(partial(SafetensorsSource, directory), index)

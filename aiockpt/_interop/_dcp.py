@@ -35,7 +35,7 @@ import torch
 
 from .._errors import CorruptionError, FormatError, StateError, StorageError
 from .._format import MAX_READ_DEPTH, Chunk, KeyPath, Manifest, Node, PickleNode, TensorEntry, TensorNode
-from .._fs import open_regular
+from .._fs import open_regular, read_regular
 from .._load._manifest import MAX_BYTES, box_inside, dtype_itemsize
 from .._load._match import Destination
 from .._load._read import read_into
@@ -116,7 +116,7 @@ def read_metadata(directory: Path, *, allow_pickle: bool) -> Any:
 
     file = directory / METADATA_NAME
     try:
-        raw = file.read_bytes()
+        raw = read_regular(file)
     except OSError as exc:
         raise StorageError(f"cannot read {file}: {exc.strerror or exc}", path=str(file)) from exc
     try:

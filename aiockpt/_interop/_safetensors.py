@@ -24,7 +24,7 @@ import anyio
 
 from .._errors import CorruptionError, FormatError, StorageError
 from .._format import Chunk, FileInfo, Manifest, Node, TensorEntry, TensorNode
-from .._fs import open_regular
+from .._fs import open_regular, read_regular
 from .._load._match import Destination
 from .._load._read import read_into
 from .._tree import dtype_from_name
@@ -250,7 +250,7 @@ class SafetensorsSource(Source):
         if not index.is_file():
             return {SINGLE_NAME: None}
         try:
-            doc = json.loads(index.read_bytes())
+            doc = json.loads(read_regular(index))
         except (OSError, ValueError, RecursionError) as exc:
             raise FormatError(f"cannot read {index}: {exc}", file=str(index)) from exc
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._fs import open_regular
+
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header: 30 bytes, then name and extra field
 
 
@@ -281,7 +283,7 @@ def stored_records(path: Path) -> tuple[list[Record], bool] | None:
     zipfile reads (``torch.load`` reports that). Blocking.
     """
     try:
-        with open(path, "rb", buffering=0) as f:  # (a local header's 30 bytes are one read of 30 bytes)
+        with open(open_regular(path), "rb", buffering=0) as f:  # (a local header: one read of 30 bytes)
             length = os.fstat(f.fileno()).st_size
             with zipfile.ZipFile(f) as zf:
                 infos = zf.infolist()

@@ -36,6 +36,7 @@ import torch
 
 from .._errors import CorruptionError, FormatError, StateError, StorageError
 from .._format import Chunk, Key, KeyPath, Manifest, TensorEntry
+from .._fs import open_regular
 from .._load._match import Destination
 from .._memory import nbytes_of, view_at
 from .._tree import a_or_an, dtype_name, flatten, render, type_name
@@ -51,7 +52,7 @@ _LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
 def is_torch_file(path: Path) -> bool:
     """Whether the regular file ``path`` starts like a ``torch.save`` file. Blocking."""
     try:
-        with open(path, "rb") as f:
+        with open(open_regular(path), "rb") as f:  # (a FIFO swapped in since detection would block open)
             head = f.read(len(_LEGACY_MAGIC))
     except OSError:
         return False
@@ -113,7 +114,7 @@ def _damaged(path: Path, exc: BaseException) -> CorruptionError | None:
     ``None`` where the failure is another (a refused global, a read error the system reports).
     """
     try:
-        with open(path, "rb") as f:
+        with open(open_regular(path), "rb") as f:
             head = f.read(len(_LEGACY_MAGIC))
     except OSError:
         return None
