@@ -12,6 +12,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import cast
 
 import anyio
 import torch
@@ -35,6 +36,19 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def nbytes_of(t: torch.Tensor) -> int:
     """Bytes of the tensor's elements (not of its storage)."""
     return t.nbytes
+
+
+def filling() -> contextlib.AbstractContextManager[None]:
+    """The mode a load's copies into its targets run in: inference mode, in the thread that copies.
+
+    Outside autograd, as ``load_state_dict`` copies: a target may be a leaf that requires grad (an
+    ``nn.Parameter``), which refuses an in-place copy that autograd would record. Inference mode rather
+    than ``no_grad``: a tensor made under ``torch.inference_mode()`` (an actor's serving weights, say)
+    refuses every in-place write outside it, while a normal tensor takes one in it as under ``no_grad``
+    (its version counter still counts the write). Tensors made in the block are inference tensors: only
+    the copies go in it, never code whose tensors reach the caller. The mode is per thread.
+    """
+    return cast("contextlib.AbstractContextManager[None]", torch.inference_mode())
 
 
 def plain_cpu(t: torch.Tensor) -> bool:

@@ -116,6 +116,56 @@ async def test_strided_targets_whose_elements_are_apart_still_load(ckpt_path: Pa
     assert torch.equal(base[1::2], torch.zeros(4))
 
 
+# --- Inference tensors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["aiockpt", "torch.save"])
+async def test_inference_tensors_load_in_place_strided_or_not(source: str, tmp_path: Path) -> None:
+    """Tensors made under ``torch.inference_mode()`` (an actor's serving weights) take a load.
+
+    Outside inference mode torch refuses any in-place write to them: the copies into targets that are
+    not read straight into (a transposed view, a foreign checkpoint's decoded chunks) raised a bare
+    ``RuntimeError`` once the others had been written.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    t, v = torch.randn(3, 4), torch.randn(5)
+    saved = {"t": t, "v": v, "m": model.state_dict()}
+    path = tmp_path / "ckpt"
+    if source == "aiockpt":
+        await aiockpt.save(saved, path)
+    else:
+        path = tmp_path / "state.pt"
+        torch.save(saved, path)
+    with torch.inference_mode():
+        transposed = torch.zeros(4, 3).t()
+        plain = torch.zeros(5)
+        module = torch.nn.Linear(4, 3)
+    target: dict[str, object] = {"t": transposed, "v": plain, "m": module}
+    await aiockpt.load(target, path)
+    assert target["t"] is transposed
+    assert transposed.is_inference()
+    assert torch.equal(transposed, t)
+    assert torch.equal(plain, v)
+    assert torch.equal(module.weight, model.weight)
+    assert torch.equal(module.bias, model.bias)
+
+
+async def test_parameters_loaded_through_a_copy_stay_autograd_leaves(ckpt_path: Path) -> None:
+    """The copies run in inference mode; a parameter filled so is a normal leaf, and counts the write."""
+    await aiockpt.save({"w": torch.arange(12.0).reshape(4, 3)}, ckpt_path)
+    weight = torch.nn.Parameter(torch.zeros(3, 4))
+    target: dict[str, object] = {"w": weight.t()}  # transposed: filled by a copy, not read into
+    version = weight._version
+    await aiockpt.load(target, ckpt_path)
+    assert torch.equal(weight.t(), torch.arange(12.0).reshape(4, 3))
+    assert not weight.is_inference()
+    assert weight._version > version
+    (weight * 2).sum().backward()  # type: ignore[no-untyped-call]
+    assert weight.grad is not None
+    assert torch.equal(weight.grad, torch.full((3, 4), 2.0))
+
+
 # --- Layouts other than strided -------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from .._format import DictNode, KeyPath, Manifest, Node
 from .._load._aliasing import aliased
 from .._load._match import Destination
 from .._load._read import _check_covered, _overlap
+from .._memory import filling
 from .._threads import Aborted, run_sync, run_workers
 from .._tree import dtype_name, render
 from ._names import shaped_like
@@ -129,7 +130,7 @@ class DecodingSource(Source):
                     if not todo:
                         return
                     dest = todo.pop()
-                self._fill_one(dest)
+                self._copy_into(dest)
 
         if todo:
             await run_workers(worker, max(1, min(threads, len(todo))), limiter)
@@ -137,15 +138,9 @@ class DecodingSource(Source):
 
             def fill_later() -> None:
                 for dest in later:
-                    self._fill_one(dest)
+                    self._copy_into(dest)
 
             await run_sync(fill_later, limiter)
-
-    def _fill_one(self, dest: Destination) -> None:
-        # Outside autograd, as ``load_state_dict`` copies: a target may be a leaf that requires grad (an
-        # ``nn.Parameter``), which refuses a recorded in-place copy. (Grad mode is per thread.)
-        with torch.no_grad():
-            self._copy_into(dest)
 
     def _copy_into(self, dest: Destination) -> None:
         entry = self.manifest.tensors[dest.index]
@@ -171,11 +166,13 @@ class DecodingSource(Source):
         for number, inter in wanted:
             c = entry.chunks[number]
             data = self._check(dest.index, number, self.chunk(dest.index, number))
-            if not d_size:  # a 0-d tensor: its one chunk is all of it
-                target.copy_(data)
-                continue
-            src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))
-            dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
-            target[dst].copy_(data[src])
-        for other in dest.also:
-            other.copy_(target)
+            with filling():  # (the copies only: decoded tensors may be cached and handed out)
+                if not d_size:  # a 0-d tensor: its one chunk is all of it
+                    target.copy_(data)
+                    continue
+                src = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, c.offsets, strict=True))
+                dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, d_off, strict=True))
+                target[dst].copy_(data[src])
+        with filling():
+            for other in dest.also:
+                other.copy_(target)

@@ -23,7 +23,7 @@ import crc32c
 import torch
 
 from .._cuda import cuda_devices, record
-from .._memory import byte_view
+from .._memory import byte_view, filling
 from .._runs import Piece, Run
 from .._threads import yield_gil
 
@@ -141,7 +141,8 @@ class DeviceReader:
             elif checksums is not None and crc32c.crc32c(view[at : at + n]) != checksums[p.item][p.block]:
                 bad.append(p)
         if not (short or bad):
-            self._pending[k] = self._copy_out(k, run, locate)
+            with filling():  # (a target may be a parameter, or an inference tensor)
+                self._pending[k] = self._copy_out(k, run, locate)
         return short, bad
 
     def _copy_out(self, k: int, run: Run, locate: Locate) -> list[torch.cuda.Event]:

@@ -36,7 +36,7 @@ from .._errors import CorruptionError, StorageError
 from .._format import Chunk, Manifest, TensorEntry
 from .._fs import irregular, open_readable
 from .._gc import paused
-from .._memory import byte_view, plain_cpu, plain_view, view_at
+from .._memory import byte_view, filling, plain_cpu, plain_view, view_at
 from .._pagecache import drop_behind, kept, resident, sweep
 from .._runs import MAX_GAP, Piece, Run, group, lanes, read_run, split
 from .._threads import Aborted, dismantle, run_sync, run_workers
@@ -447,12 +447,8 @@ def _release(
 
 
 def run_all(calls: Iterable[Callable[[], object]]) -> None:
-    """Run the copies into place (blocking), outside autograd as ``load_state_dict`` copies.
-
-    A target may be a leaf that requires grad (an ``nn.Parameter``), which refuses an in-place ``copy_``
-    recorded by autograd. Grad mode is per thread: it is turned off here, in the thread that copies.
-    """
-    with torch.no_grad():
+    """Run the copies into place (blocking), in the mode :func:`~.._memory.filling` names."""
+    with filling():
         for call in calls:
             call()
 
