@@ -285,12 +285,12 @@ class SaveHandle:
                     # Not by cancel() (nor aclose(cancel=True), which calls it), nor with its starter
                     # (cancelled after the save reported "staged" but before tg.start() returned, which
                     # then cancels the save and raises: the handle never reached the caller): the task
-                    # group of the loop's background saves was cancelled, which asyncio.run does to a
-                    # loop ending.
+                    # of the loop's background saves was cancelled, which asyncio.run does to a loop
+                    # ending, and an application's "cancel every other task" too.
                     warnings.warn(
-                        f"the save to {self.path} was cancelled before it committed: the event loop ended "
-                        "with it in flight (await its handle, or close its Checkpointer, before the loop "
-                        "ends)",
+                        f"the save to {self.path} was cancelled before it committed: aiockpt's task for "
+                        "background saves was cancelled with it in flight, as asyncio.run does when its "
+                        "loop ends (await the handle, or close its Checkpointer, before that)",
                         RuntimeWarning,
                         stacklevel=1,
                     )

@@ -39,13 +39,30 @@ class _Runner:
 _runners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Runner] = weakref.WeakKeyDictionary()
 
 
+def _ending(runner: _Runner) -> bool:
+    """Whether ``runner`` has ended or is ending: a save started into it now would be cancelled.
+
+    Its task is cancelled when the loop ends (``asyncio.run`` cancels every task left), but also by an
+    application that cancels every other task and then goes on: saves started after that get a runner
+    of their own. The cancellation is pending until the task next runs (``cancelling()``; on Python
+    3.10, the task's ``_must_cancel``), then its task group's scope is cancelled while it winds down.
+    """
+    task = runner.task
+    if task is None or task.done():
+        return True
+    cancelling = getattr(task, "cancelling", None)
+    if cancelling() if cancelling is not None else getattr(task, "_must_cancel", False):
+        return True
+    return runner.tg is not None and runner.tg.cancel_scope.cancel_called
+
+
 async def _runner() -> _Runner:
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         raise CheckpointError("async_op=True needs a running asyncio event loop") from None
     runner = _runners.get(loop)
-    if runner is None or runner.task is None or runner.task.done():
+    if runner is None or _ending(runner):
         runner = _Runner()
         runner.task = loop.create_task(runner.serve(), name="aiockpt-background-saves")
         _runners[loop] = runner

@@ -285,7 +285,7 @@ def test_a_loop_that_ends_with_a_save_in_a_thread_waits_for_the_thread_and_clean
         await gated_prepare.wait_entered()
         gated_prepare.release_later()
 
-    with pytest.warns(RuntimeWarning, match="the event loop ended"):
+    with pytest.warns(RuntimeWarning, match="background saves was cancelled with it in flight"):
         asyncio.run(forgets())
     assert gated_prepare.returned.is_set()
     assert sorted(p.name for p in tmp_path.iterdir()) == []

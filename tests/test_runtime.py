@@ -399,7 +399,7 @@ def test_a_background_save_the_loop_ends_with_warns_and_leaves_nothing(tmp_path:
         return handle.state
 
     for how in ("one-shot", "checkpointer"):
-        with pytest.warns(RuntimeWarning, match="cancelled before it committed: the event loop ended"):
+        with pytest.warns(RuntimeWarning, match="aiockpt's task for background saves was cancelled"):
             assert asyncio.run(forgets(how)) is SaveState.STAGED
     assert listdir(tmp_path) == ["root"]
     assert listdir(tmp_path / "root") == []
@@ -410,6 +410,37 @@ def test_a_background_save_the_loop_ends_with_warns_and_leaves_nothing(tmp_path:
 
     asyncio.run(cancels())
     assert listdir(tmp_path) == ["root"]
+
+
+@pytest.mark.parametrize("settle", [False, True])
+def test_a_save_started_after_every_other_task_was_cancelled_commits(tmp_path: Path, settle: bool) -> None:
+    """An application that cancels every other task (a shutdown helper) and goes on saving.
+
+    The save in flight then is cancelled with aiockpt's background task, and warns; a save started
+    afterwards went into that ending task group and was cancelled too, after its handle said "staged".
+    It now gets a runner of its own: whether the cancellation is still pending (``settle=False``) or the
+    old group is winding down. (In a loop of its own: every other task is cancelled.)
+    """
+
+    async def main() -> None:
+        async with Checkpointer(tmp_path / "root", max_inflight=2) as ckpt:
+            first = await ckpt.save({"w": torch.ones(1 << 20)}, step=1, async_op=True)
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+            if settle:
+                await asyncio.sleep(0)
+            second = await ckpt.save({"w": torch.full((1 << 20,), 2.0)}, step=2, async_op=True)
+            with pytest.raises(aiockpt.CheckpointCancelledError):
+                await first
+            await second
+            assert ckpt.steps() == [2]
+            assert ckpt.latest_step() == 2
+
+    with pytest.warns(RuntimeWarning, match="step-00000001 was cancelled before it committed") as seen:
+        asyncio.run(main())
+    assert len(seen) == 1, [str(w.message) for w in seen]
+    assert tmp_entries(tmp_path / "root") == []
 
 
 def test_write_durable_writes_pieces_back_to_back_through_short_writes(
