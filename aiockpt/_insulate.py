@@ -109,8 +109,12 @@ def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, 
             _inside.set(True)  # in this task's own context (a copy of the caller's)
             try:
                 results.append(await fn(*args, **kwargs))
-            except anyio.get_cancelled_exc_class():
-                raise
+            except anyio.get_cancelled_exc_class() as exc:
+                if tg.cancel_scope.cancel_called:
+                    raise
+                # Raised by code ``fn`` called (a Stateful's state_dict, say), with nothing cancelled:
+                # the task group would swallow it, and the caller get no outcome at all.
+                failures.append(exc)
             except BaseException as exc:  # handed to the caller as is, KeyboardInterrupt included
                 failures.append(exc)
 

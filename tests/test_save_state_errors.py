@@ -4,6 +4,7 @@ Each is a ``StateError`` naming the key, and the save publishes nothing."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -60,6 +61,25 @@ async def test_a_base_exception_from_state_dict_passes_as_it_is(tmp_path: Path) 
         await aiockpt.save({"model": _Raises(_Interrupt("stop"))}, tmp_path / "ckpt")
     assert not (tmp_path / "ckpt").exists()
     assert tmp_entries(tmp_path) == []
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "staged"])
+async def test_a_cancelled_error_from_state_dict_reaches_the_caller_as_it_is(
+    tmp_path: Path, async_op: bool
+) -> None:
+    """A ``CancelledError`` raised by a Stateful (one that awaited something cancelled), nothing cancelled.
+
+    The task a public call runs its work in ended with it, which its task group swallowed: the caller
+    got an ``IndexError`` from the empty list of results instead.
+    """
+    cause = asyncio.CancelledError("from state_dict")
+    async with aiockpt.Checkpointer(tmp_path / "root") as ckpt:
+        with pytest.raises(asyncio.CancelledError, match="from state_dict"):
+            await ckpt.save({"w": torch.ones(3), "bad": _Raises(cause)}, step=1, async_op=async_op)
+        await ckpt.save({"w": torch.ones(3)}, step=2, async_op=async_op)
+        await ckpt.wait()
+        assert ckpt.steps() == [2]
+    assert tmp_entries(tmp_path / "root") == []
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "staged"])
