@@ -690,7 +690,7 @@ class Checkpointer:
         self._inflight[step] = handle
         newest = self._steps[-1] if self._steps else None  # committed before this save began
         try:
-            with handle._cancellable() as waiting:
+            with handle._cancellable() as waiting, handle.metrics.waiting():
                 await slots.acquire()
         except BaseException:
             self._abandon(handle)

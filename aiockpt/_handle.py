@@ -31,7 +31,8 @@ class Metadata(msgspec.Struct, frozen=True, kw_only=True):
         created_at: Unix time of the commit.
         manifest_crc32c: Checksum of the manifest body.
         timings: Seconds spent in each phase: ``stage``, ``local_plan``, ``global_plan``, ``write``,
-            ``finish``.
+            ``finish``; and ``wait``, in none of them, waiting for other saves (see
+            :attr:`SaveMetrics.seconds`).
         written_bytes: Bytes this rank wrote to data files.
         direct_bytes: Of ``written_bytes``, those written with ``O_DIRECT`` (see
             :attr:`SaveMetrics.direct_bytes`).
@@ -99,7 +100,9 @@ class SaveMetrics:
     """Per-phase seconds and bytes of one save, filled in as it runs.
 
     Attributes:
-        seconds: Phase name -> seconds (``stage``, ``local_plan``, ``global_plan``, ``write``, ``finish``).
+        seconds: Phase name -> seconds (``stage``, ``local_plan``, ``global_plan``, ``write``, ``finish``),
+            and ``wait``: the seconds the save waited for others meanwhile (an in-flight slot, staging
+            memory within ``staging_budget``, the deletions of retention), counted in no phase.
         staging_seconds: Seconds from the call until the state could be mutated again.
         total_seconds: Seconds from the call until the checkpoint was committed (or the save ended).
         nbytes: Tensor bytes in the state.
@@ -119,12 +122,24 @@ class SaveMetrics:
     direct_bytes: int = 0
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _mark: float = field(default=0.0, repr=False)
+    _waited: float = field(default=0.0, repr=False)  # in the running phase, not counted in it
 
     def phase(self, name: str) -> None:
-        """Close the running phase as ``name``."""
+        """Close the running phase as ``name`` (less what it waited, see :meth:`waiting`)."""
         now = time.perf_counter()
-        self.seconds[name] = now - (self._mark or self._t0)
-        self._mark = now
+        self.seconds[name] = now - (self._mark or self._t0) - self._waited
+        self._mark, self._waited = now, 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the block as ``wait``, not as the phase it runs in (waits for other saves' resources)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self._waited += spent
+            self.seconds["wait"] = self.seconds.get("wait", 0.0) + spent
 
     def staged(self) -> None:
         """Record that the state may be mutated from now on."""

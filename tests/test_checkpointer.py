@@ -407,6 +407,29 @@ async def test_on_busy_wait_queues_saves(root: Path) -> None:
         assert_tree_equal(await ckpt.read(2), big_state(2))
 
 
+async def test_a_wait_for_an_in_flight_slot_is_counted_as_wait_not_as_staging(
+    root: Path, held_commits: anyio.Event
+) -> None:
+    """``stage`` was timed from the call: a save queued behind another counted the whole wait as staging."""
+    async with Checkpointer(root, max_inflight=1, on_busy="wait") as ckpt:
+        first = await ckpt.save(state_for(1), step=1, async_op=True)
+        async with anyio.create_task_group() as tg:
+            queued: list[aiockpt.SaveHandle] = []
+
+            async def save_second() -> None:
+                queued.append(await ckpt.save(state_for(2), step=2, async_op=True))
+
+            tg.start_soon(save_second)
+            await anyio.sleep(0.3)  # the second save waits for the slot all this time
+            assert not queued
+            held_commits.set()
+        await first
+        timings = (await queued[0]).timings
+    assert timings["wait"] >= 0.25, timings
+    assert timings["stage"] < timings["wait"], timings  # (a few milliseconds of a tiny state's staging)
+    assert queued[0].metrics.staging_seconds >= timings["wait"]  # the caller was held up all the same
+
+
 async def test_on_busy_skip(root: Path, held_commits: anyio.Event) -> None:
     async with Checkpointer(root, max_inflight=1, on_busy="skip") as ckpt:
         h1 = await ckpt.save(big_state(1), step=1, async_op=True)

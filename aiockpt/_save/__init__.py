@@ -372,7 +372,12 @@ async def _save(
         if coordinator:  # fail fast; the temp dir is made after staging, off the caller's critical path
             await target.check()
         staged = await stage(
-            req.state, copy=req.copy, pool=pool, allow_pickle=req.allow_pickle, limiter=limiter
+            req.state,
+            copy=req.copy,
+            pool=pool,
+            allow_pickle=req.allow_pickle,
+            waiting=metrics.waiting,
+            limiter=limiter,
         )
         metrics.phase("stage")
         metrics.nbytes, metrics.staged_bytes = staged.nbytes, staged.copied
@@ -383,7 +388,8 @@ async def _save(
 
         # --- global plan: every rank computes the same pure plan from everyone's local plans
         if coordinator and req.settle is not None:
-            await req.settle()
+            with metrics.waiting():
+                await req.settle()
         mine = Status(ok=True, payload=memoryview(local.plan), tmp=token, digest=local.digest)
         statuses = await exchanges.exchange("plan", mine)
         exchanges.check("plan", statuses)

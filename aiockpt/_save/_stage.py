@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -294,12 +295,14 @@ async def stage(
     copy: bool,
     pool: StagingPool,
     allow_pickle: bool,
+    waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
     limiter: anyio.CapacityLimiter | None = None,
 ) -> Staged:
     """Flatten ``state`` and stage its tensors (see the module docstring).
 
-    Staging memory is claimed from the pool (within its budget) before copying; the buffer goes back to
-    the pool with ``StagingPool.release`` once written.
+    Staging memory is claimed from the pool (within its budget) before copying, inside ``waiting()``
+    (the save's :meth:`~aiockpt.SaveMetrics.waiting`); the buffer goes back to the pool with
+    ``StagingPool.release`` once written.
 
     Raises:
         StateError: The state holds something that cannot be saved; the message names the key.
@@ -308,7 +311,8 @@ async def stage(
     layout = await run_sync(lambda: plan_stage(state, copy=copy, allow_pickle=allow_pickle), limiter)
     if not layout.offsets:
         return copy_stage(layout, pool, Claim(0, False))
-    claim = await pool.claim(layout.total, pinned=bool(layout.devices))
+    with waiting():
+        claim = await pool.claim(layout.total, pinned=bool(layout.devices))
     try:
         return await acquire_sync(lambda: copy_stage(layout, pool, claim), limiter)
     except BaseException:
