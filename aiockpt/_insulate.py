@@ -21,6 +21,7 @@ it runs keeps that.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import sys
@@ -40,6 +41,19 @@ _caller: ContextVar[tuple[str, int, dict[str, Any]] | None] = ContextVar("aiockp
 # Set in the child task of a public call, and so in the tasks it starts: a public coroutine called from
 # there (Checkpointer.save opening the Checkpointer, say) is insulated already and runs as it is.
 _inside: ContextVar[bool] = ContextVar("aiockpt_insulated", default=False)
+# The task that made the outermost public call, in its child task and the tasks that one starts.
+_outer: ContextVar[asyncio.Task[Any] | None] = ContextVar("aiockpt_outer_task", default=None)
+
+
+def calling_task() -> asyncio.Task[Any] | None:
+    """The task that made the public call this runs in (``None``: not in an asyncio task)."""
+    outer = _outer.get()
+    if outer is not None:
+        return outer
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no asyncio loop runs here
+        return None
 
 
 _Line = tuple[str, int, dict[str, Any]]
@@ -104,9 +118,11 @@ def insulated(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, 
             return await fn(*args, **kwargs)
         results: list[T] = []
         failures: list[BaseException] = []
+        outer = calling_task()
 
         async def body() -> None:
             _inside.set(True)  # in this task's own context (a copy of the caller's)
+            _outer.set(outer)
             try:
                 results.append(await fn(*args, **kwargs))
             except anyio.get_cancelled_exc_class() as exc:

@@ -19,6 +19,7 @@ import anyio.abc
 
 from ._errors import CheckpointError
 from ._handle import Interrupted, Metadata, SaveHandle, SaveState
+from ._insulate import calling_task
 
 
 class _Runner:
@@ -39,21 +40,30 @@ class _Runner:
 _runners: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Runner] = weakref.WeakKeyDictionary()
 
 
-def _ending(runner: _Runner) -> bool:
-    """Whether ``runner`` has ended or is ending: a save started into it now would be cancelled.
+def _usable(runner: _Runner) -> bool:
+    """Whether a save started into ``runner`` now would run, rather than be cancelled with it.
 
     Its task is cancelled when the loop ends (``asyncio.run`` cancels every task left), but also by an
-    application that cancels every other task and then goes on: saves started after that get a runner
-    of their own. The cancellation is pending until the task next runs (``cancelling()``; on Python
-    3.10, the task's ``_must_cancel``), then its task group's scope is cancelled while it winds down.
+    application that cancels every other task and then goes on: saves it starts after that get a new
+    runner. The cancellation is pending until the task next runs (``cancelling()``; on Python 3.10, the
+    task's ``_must_cancel``), then its task group's scope is cancelled while it winds down. A caller
+    that is being cancelled itself (a task saving on its way out as the loop ends) still starts into the
+    ending runner, where its save is cancelled and says so: a new runner would be left pending as the
+    loop closes, its save neither finished nor cleaned up.
     """
     task = runner.task
     if task is None or task.done():
+        return False
+    if not (_cancelling(task) or (runner.tg is not None and runner.tg.cancel_scope.cancel_called)):
         return True
-    cancelling = getattr(task, "cancelling", None)
-    if cancelling() if cancelling is not None else getattr(task, "_must_cancel", False):
-        return True
-    return runner.tg is not None and runner.tg.cancel_scope.cancel_called
+    caller = calling_task()
+    return caller is not None and _cancelling(caller)
+
+
+def _cancelling(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` has a cancellation pending or in progress."""
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+    return bool(cancelling() if cancelling is not None else getattr(task, "_must_cancel", False))
 
 
 async def _runner() -> _Runner:
@@ -62,7 +72,7 @@ async def _runner() -> _Runner:
     except RuntimeError:
         raise CheckpointError("async_op=True needs a running asyncio event loop") from None
     runner = _runners.get(loop)
-    if runner is None or _ending(runner):
+    if runner is None or not _usable(runner):
         runner = _Runner()
         runner.task = loop.create_task(runner.serve(), name="aiockpt-background-saves")
         _runners[loop] = runner

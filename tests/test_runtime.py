@@ -23,7 +23,7 @@ from conftest import assert_tree_equal, child_env, listdir, read_text, tmp_entri
 import aiockpt
 import aiockpt._checkpointer
 import aiockpt._fs
-from aiockpt import BusyError, Checkpointer, CheckpointNotFoundError, SaveState
+from aiockpt import BusyError, Checkpointer, CheckpointNotFoundError, SaveState, _runner
 from aiockpt._fs import LOCK_SUFFIX, OwnerLock, collect_garbage, owner_alive, write_durable
 
 pytestmark = pytest.mark.timeout(120)
@@ -441,6 +441,38 @@ def test_a_save_started_after_every_other_task_was_cancelled_commits(tmp_path: P
         asyncio.run(main())
     assert len(seen) == 1, [str(w.message) for w in seen]
     assert tmp_entries(tmp_path / "root") == []
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Task.cancelling() is Python 3.11+")
+async def test_an_ending_background_task_takes_saves_only_from_callers_being_cancelled() -> None:
+    """Which saves a cancelled background task still takes (see ``_runner._usable``).
+
+    One from a caller that goes on after the cancellation starts a new background task. One from a caller
+    that is being cancelled too (a task saving on its way out as ``asyncio.run`` cancels every task) goes
+    into the ending one, with which it is cancelled, and says so: a new background task would be left
+    pending as the loop closes.
+    """
+    runner = await _runner._runner()
+    assert runner.task is not None
+    assert _runner._usable(runner)
+    seen: list[bool] = []
+
+    async def on_its_way_out() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            seen.append(_runner._usable(runner))
+            raise
+
+    caller = asyncio.get_running_loop().create_task(on_its_way_out())
+    await asyncio.sleep(0)
+    runner.task.cancel()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert seen == [True]
+    assert not _runner._usable(runner)  # this task is not being cancelled
+    assert await _runner._runner() is not runner
 
 
 def test_write_durable_writes_pieces_back_to_back_through_short_writes(
