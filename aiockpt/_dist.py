@@ -19,10 +19,11 @@ import asyncio
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from ._errors import DistributedError
 from ._memory import byte_view
@@ -39,35 +40,38 @@ class DistWorld:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Create the group (a collective call of every member).
+        """Create the group (a collective call of every member, and of no other rank).
 
         Raises:
             DistributedError: Creating it failed or timed out (a member never came).
         """
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        self.parent = dist.group.WORLD if group is None else group
-        # Only the members take part in creating it, so a sub-group needs no call from other ranks.
+        parent = dist.group.WORLD if group is None else group
+        assert parent is not None  # (world_for makes none without an initialised default group)
+        self.parent = parent
+        ranks = dist.get_process_group_ranks(parent)
+        self.rank = dist.get_rank(parent)
+        self.size = len(ranks)
+        # Named after the parent (a name its members share) and how many such groups this process made:
+        # not with dist.new_group, whose name for a group of some ranks only (use_local_synchronization)
+        # counts every group the calling process belongs to, which differs between members that belong
+        # to different other groups (a sub-group save after one over another sub-group): they waited for
+        # each other under different names until the timeout.
+        self.name = _next_name(parent, timeout)
         try:
-            self._pg = dist.new_group(
-                ranks=ranks,
-                backend="gloo",
-                timeout=timedelta(seconds=timeout),
-                use_local_synchronization=ranks is not None,
-            )
+            store = PrefixStore(f"aiockpt/groups/{self.name}/", _default_store())
+            self._pg = ProcessGroupGloo(store, self.rank, self.size, timedelta(seconds=timeout))
         except RuntimeError as exc:  # a rank that never came (a store timeout, say)
-            members = "every rank of the default group" if ranks is None else f"ranks {ranks}"
+            members = "every rank of the default group" if group is None else f"ranks {ranks}"
             raise DistributedError(
                 f"cannot create aiockpt's checkpoint group over {members}: {exc} (a rank that never opened "
                 "its Checkpointer or made its first save?)",
                 ranks=[],
             ) from exc
-        self.rank = dist.get_rank(self._pg)
-        self.size = dist.get_world_size(self._pg)
         self.timeout = timeout
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiockpt-collectives")
         self._broken: str | None = None
         self._lock = threading.Lock()
-        self._arrivals = _arrival_store(self._pg)
+        self._arrivals = _arrival_store(self.name)
         self._seq = 0  # collectives begun; identical on every rank since they run in the same order
 
     def __repr__(self) -> str:
@@ -151,31 +155,55 @@ class DistWorld:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _all_gather_bytes(payload: bytes, pg: dist.ProcessGroup, size: int) -> list[bytes]:
+def _all_gather_bytes(payload: bytes, group: ProcessGroupGloo, size: int) -> list[bytes]:
+    pg: Any = group  # (torch's stubs give Backend none of the collectives it has)
     n = torch.tensor([len(payload)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(sizes, n, group=pg)
+    pg.allgather([sizes], [n]).wait()
     lengths = [int(s.item()) for s in sizes]
     width = max(max(lengths), 1)
     mine = torch.zeros(width, dtype=torch.uint8)
     if payload:
         byte_view(mine)[: len(payload)] = payload
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(size)]
-    dist.all_gather(outs, mine, group=pg)
+    pg.allgather([outs], [mine]).wait()
     return [bytes(byte_view(o)[:length]) for o, length in zip(outs, lengths, strict=True)]
 
 
-def _arrival_store(pg: dist.ProcessGroup) -> Store | None:
-    """A namespace of the job's store for the arrival marks of ``pg``'s collectives, if there is a store.
+def _default_store() -> Store:
+    """The store of the job's default group, which every group's rendezvous goes through."""
+    return dist.distributed_c10d._get_default_store()
 
-    The gloo group's name is the same on every rank and unique in the job, so marks of different groups
-    (or of a group created again with another timeout) never mix.
+
+def _arrival_store(name: str) -> Store | None:
+    """A namespace of the job's store for the arrival marks of the group ``name``'s collectives.
+
+    The name is the same on every member and unique in the job (see :func:`_next_name`), so marks of
+    different groups (or of a group created again with another timeout) never mix.
     """
     try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # no default group (only an explicit one): collectives work, culprits go unnamed
+        store = _default_store()
+    except Exception:  # best effort: without a store, collectives work and culprits go unnamed
         return None
-    return PrefixStore(f"aiockpt/arrivals/{pg.group_name}/", store)
+    return PrefixStore(f"aiockpt/arrivals/{name}/", store)
+
+
+# Checkpoint groups made in this process, by parent group name and timeout (see _next_name).
+_made: dict[tuple[str, float], int] = {}
+
+
+def _next_name(parent: dist.ProcessGroup, timeout: float) -> str:
+    """The name of a new checkpoint group over ``parent``: the same on every member, and unused before.
+
+    The parent's name is shared by its members (they rendezvoused under it) and unique among the job's
+    groups; the members create the checkpoint groups of a parent in the same order (SPMD), so they count
+    alike. Counted per timeout, as each timeout gets a group of its own (see :data:`_worlds`), and again
+    after the parent was replaced (a default group destroyed and initialised again).
+    """
+    key = (parent.group_name, timeout)
+    made = _made.get(key, 0)
+    _made[key] = made + 1
+    return f"{parent.group_name}/{timeout!r}/{made}"
 
 
 # Checkpoint groups by their parent group's ``id`` and their timeout. Each entry keeps its parent alive
