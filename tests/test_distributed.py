@@ -216,10 +216,13 @@ def _no_trace(parent: Path) -> None:
 
 def test_a_rank_that_raises_mid_write_aborts_every_rank(tmp_path: Path) -> None:
     parent = tmp_path / "out"
-    results = run_world(_fail_in_write, 2, tmp_path, str(parent / "ckpt"), "raise")
+    results = run_world(_fail_in_write, 3, tmp_path, str(parent / "ckpt"), "raise")
     assert results[1].startswith("StorageError: injected")
     assert results[0].startswith("DistributedError ranks=[1]")
     assert "injected" in results[0]
+    # Rank 2 learns of it from rank 0's outcome, which names the rank that failed (it named rank 0).
+    assert results[2].startswith("DistributedError ranks=[1]: rank 0 did not publish"), results[2]
+    assert "injected" in results[2]
     _no_trace(parent)
 
 
@@ -391,6 +394,32 @@ def test_a_load_refuses_chunks_that_do_not_cover_its_target(tmp_path: Path) -> N
     assert loaded == "loaded"
     assert "key 'dt'" in refused
     assert "elements [4:8], wanted by this rank's shard [4:8]" in refused
+
+
+async def _saves_over_overlapping_sub_groups(rank: int, world: int, root: str) -> list[str]:
+    groups = {(0, 1): dist.new_group([0, 1]), (1, 2): dist.new_group([1, 2])}  # (every rank makes both)
+    done = []
+    for members, group in groups.items():
+        if rank in members:
+            name = "-".join(map(str, members))
+            await aiockpt.save({"w": torch.full((4,), float(rank))}, f"{root}/{name}", process_group=group)
+            done.append(name)
+        dist.barrier()
+    return done
+
+
+def test_saves_over_sub_groups_that_share_a_rank(tmp_path: Path) -> None:
+    """Rank 1 saves over [0, 1], then with rank 2 over [1, 2].
+
+    aiockpt's checkpoint group was made with ``dist.new_group(use_local_synchronization=True)``, which
+    names a group of some ranks by counting every group the calling process belongs to: after the first
+    save rank 1 had made one more than rank 2, the two waited under different names, and the second save
+    failed after its collective timeout on both.
+    """
+    done = run_world(_saves_over_overlapping_sub_groups, 3, tmp_path, str(tmp_path), timeout=90)
+    assert done == [["0-1"], ["0-1", "1-2"], ["1-2"]]
+    for name in ("0-1", "1-2"):
+        assert (tmp_path / name / "manifest.msgpack").exists()
 
 
 async def _load_tied_into_separate_dtensors(rank: int, world: int, path: str) -> list[str]:

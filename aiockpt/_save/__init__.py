@@ -429,7 +429,8 @@ async def _save(
                 await target.commit(encoded)
                 summary = (manifest, crc, nbytes)
             except Exception as exc:
-                outcome = Status(ok=False, error=describe(exc))
+                culprits = tuple(exc.ranks) if isinstance(exc, DistributedError) and exc.ranks else (0,)
+                outcome = Status(ok=False, error=describe(exc), culprits=culprits)
                 with anyio.CancelScope(shield=True):
                     await exchanges.exchange("outcome", outcome)
                 raise
@@ -451,7 +452,10 @@ async def _save(
                 ) from exc
             exchanges.settled = True
             if not statuses[0].ok:
-                raise DistributedError(f"rank 0 did not publish {req.path}: {statuses[0].error}", ranks=[0])
+                raise DistributedError(
+                    f"rank 0 did not publish {req.path}: {statuses[0].error}",
+                    ranks=list(statuses[0].culprits) or [0],
+                )
             metrics.phase("finish")
             if summary is None:
                 summary = await target.summary()

@@ -54,6 +54,9 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     # ``plan`` only: a digest of this rank's tree and tensor signatures (see ``_save._ranks``), or 0 in a
     # world of one. Equal on every rank (SPMD state), ``trees`` is skipped.
     digest: int = 0
+    # ``outcome`` only, from the coordinator that did not publish: the ranks that failed (itself, or
+    # those that failed the vote), which every rank's error names.
+    culprits: tuple[int, ...] = ()
 
 
 _STATUS = msgspec.msgpack.Decoder(Status)
