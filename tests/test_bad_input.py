@@ -502,6 +502,42 @@ async def test_pickled_object_is_refused_on_read_without_allow_pickle(op: str, c
     assert "allow_pickle" in str(info.value)
 
 
+class _Mkdir:
+    """Unpickled, it makes the directory ``path``: proof of whether a pickle ran."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.mkdir, (str(self.path),))
+
+
+@pytest.mark.parametrize("op", ["read", "load"])
+async def test_pickles_that_import_nothing_load_without_allow_pickle(op: str, ckpt_path: Path) -> None:
+    """Values stored pickled that a pickle builds by itself, calling nothing, need no ``allow_pickle``."""
+    values = {"big": 2**70, "negative": -(2**64), "tags": {"a", "b"}, "frozen": frozenset({1, 2})}
+    await aiockpt.save({"x": torch.ones(1), "meta": values}, ckpt_path, allow_pickle=True)
+    if op == "read":
+        assert (await aiockpt.read(ckpt_path))["meta"] == values
+    else:
+        target: dict[str, object] = {"x": torch.zeros(1), "meta": dict.fromkeys(values)}
+        await aiockpt.load(target, ckpt_path)
+        assert target["meta"] == values
+
+
+@pytest.mark.parametrize("op", ["read", "load"])
+async def test_a_pickle_that_would_call_something_is_refused_and_runs_nothing(
+    op: str, ckpt_path: Path, tmp_path: Path
+) -> None:
+    made = tmp_path / "made-by-unpickling"
+    await aiockpt.save({"x": torch.ones(1), "obj": _Mkdir(made)}, ckpt_path, allow_pickle=True)
+    with pytest.raises(StateError, match=r"key 'obj' holds a pickled .*_Mkdir; loading it can run code"):
+        await read_or_load(op, ckpt_path, {"x": torch.zeros(1), "obj": None})
+    assert not made.exists()
+    await aiockpt.read(ckpt_path, allow_pickle=True)
+    assert made.is_dir()  # (what it would have done)
+
+
 async def test_unsupported_tensor_kinds_are_refused(ckpt_path: Path) -> None:
     sparse = torch.eye(3).to_sparse()
     with pytest.raises(StateError, match="sp"):

@@ -438,6 +438,21 @@ async def test_torch_save_with_objects_needs_allow_pickle(tmp_path: Path) -> Non
     assert (await aiockpt.read(tmp_path / "c.pt", allow_pickle=True))["obj"] == Opaque(3)
 
 
+async def test_torch_save_values_that_weights_only_loads_need_no_allow_pickle(tmp_path: Path) -> None:
+    """An int beyond 64 bits is kept pickled, as in a native checkpoint: its pickle imports nothing.
+
+    It was refused as "a pickled builtins.int; loading it can run code", where torch.load with
+    weights_only=True (which the file is decoded with) builds it.
+    """
+    torch.save({"w": torch.ones(2), "tokens_seen": 2**70, "tags": {"a"}}, tmp_path / "c.pt")
+    got = await aiockpt.read(tmp_path / "c.pt")
+    assert got["tokens_seen"] == 2**70
+    assert got["tags"] == {"a"}
+    target: dict[str, object] = {"w": torch.zeros(2), "tokens_seen": 0, "tags": None}
+    await aiockpt.load(target, tmp_path / "c.pt")
+    assert target["tokens_seen"] == 2**70
+
+
 # --- convert --------------------------------------------------------------------------------------------
 
 _SUFFIX = {"aiockpt": "", "torch": ".pt", "dcp": "", "safetensors": ".safetensors", "hf": ""}

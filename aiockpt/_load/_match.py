@@ -13,6 +13,7 @@ Entries that a Stateful's ``state_dict()`` lacks are created from the checkpoint
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
@@ -588,11 +589,15 @@ class _Matcher:
 
     def unpickle(self, node: PickleNode, path: KeyPath) -> object:
         if not self.allow_pickle:
-            raise StateError(
-                f"key {render(path)!r} holds a pickled {node.type_name}; loading it can run code: "
-                "pass allow_pickle=True (--allow-pickle on the command line) if you trust this checkpoint",
-                key=render(path),
-            )
+            try:
+                return plain_unpickle(node.data)
+            except Exception:
+                raise StateError(
+                    f"key {render(path)!r} holds a pickled {node.type_name}; loading it can run code: "
+                    "pass allow_pickle=True (--allow-pickle on the command line) if you trust this "
+                    "checkpoint",
+                    key=render(path),
+                ) from None
         try:
             return pickle.loads(node.data)
         except Exception as exc:
@@ -606,6 +611,29 @@ _DTYPES: dict[str, torch.dtype] = {}
 # What wrappers put before the names of a module's state: ``torch.compile``'s ``OptimizedModule`` and
 # ``DistributedDataParallel`` (or ``DataParallel``) hold the model as ``_orig_mod`` or ``module``.
 _WRAPPERS = ("_orig_mod.", "module.")
+
+
+class _NothingImported(pickle.Unpickler):
+    """An unpickler that imports nothing: what it builds are the values a pickle holds by itself."""
+
+    def find_class(self, module: str, name: str, /) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} would be imported")
+
+
+def plain_unpickle(data: bytes) -> object:
+    """Unpickle ``data`` where that imports nothing, and so runs no code. Blocking.
+
+    What such a pickle holds: ints, floats, strings, bytes, and lists, tuples, dicts and sets of them (an
+    int outside int64 and uint64 is stored pickled, and so is such a value of a foreign checkpoint, which
+    ``torch.load(weights_only=True)`` built). Every callable a pickle can call (``REDUCE``, ``NEWOBJ``,
+    ``INST``...) and every class it can build comes from ``find_class``; persistent ids and out-of-band
+    buffers are refused by default.
+
+    Raises:
+        pickle.UnpicklingError: The pickle would import something.
+        Exception: ``data`` is no pickle (what ``pickle`` raises for it).
+    """
+    return _NothingImported(io.BytesIO(data)).load()
 
 
 def _unwrapped(name: str) -> str:
