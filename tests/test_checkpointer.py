@@ -8,6 +8,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 from pathlib import Path
 
 import anyio
@@ -516,12 +517,13 @@ async def test_failed_save_changes_nothing(root: Path) -> None:
 
 async def test_allow_pickle_checkpointer(root: Path) -> None:
     async with Checkpointer(root, allow_pickle=True) as ckpt:
-        await ckpt.save({"s": {1, 2}, "t": torch.ones(2)}, step=1)
+        await ckpt.save({"s": {1, 2}, "f": Fraction(1, 3), "t": torch.ones(2)}, step=1)
         got = await ckpt.read()
         assert at(got, "s") == {1, 2}
+        assert at(got, "f") == Fraction(1, 3)
     async with Checkpointer(root) as strict:
-        with pytest.raises(StateError, match="s"):
-            await strict.read()
+        with pytest.raises(StateError, match=r"key 'f' holds a pickled fractions\.Fraction"):
+            await strict.read()  # (the set's pickle imports nothing: it alone would load)
         with pytest.raises(StateError):
             await strict.save({"s": {1, 2}}, step=2)
 
