@@ -287,6 +287,57 @@ async def test_module_tensors_are_loaded_in_place(ckpt_path: Path) -> None:
     assert_tree_equal(model2.state_dict(), model.state_dict())
 
 
+class _ReadsAKey(torch.nn.Module):
+    """Derives an attribute from the state dict it loads (a vocabulary size, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.vocab = 0
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        self.vocab = state_dict["emb.weight"].shape[0]
+        return super().load_state_dict(state_dict, strict, assign)
+
+
+class _NoStrict(torch.nn.Module):
+    """Overrides ``load_state_dict(state_dict)`` only, as ``aiockpt.Stateful`` declares it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def load_state_dict(self, state_dict: Any) -> Any:  # type: ignore[override]
+        return super().load_state_dict(state_dict)
+
+
+class _AlwaysStrict(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return super().load_state_dict(state_dict, strict=True)
+
+
+@pytest.mark.parametrize("cls", [_ReadsAKey, _NoStrict, _AlwaysStrict])
+async def test_a_module_that_loads_its_own_way_gets_its_whole_state_dict(
+    cls: type[torch.nn.Module], ckpt_path: Path
+) -> None:
+    """Its ``load_state_dict`` got the state dict without the tensors read in place, and ``strict=False``:
+    the first raised a KeyError, the second a TypeError, the third "Missing key(s)"."""
+    torch.manual_seed(0)
+    saved = cls()
+    await aiockpt.save({"model": saved}, ckpt_path)
+    model = cls()
+    params = {name: p.data_ptr() for name, p in model.named_parameters()}
+    await aiockpt.load({"model": model}, ckpt_path)
+    assert_tree_equal(model.state_dict(), saved.state_dict())
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == params  # still in place
+    if isinstance(model, _ReadsAKey):
+        assert model.vocab == 10
+
+
 async def test_load_into_parameters_that_require_grad(ckpt_path: Path) -> None:
     w = torch.randn(3, 4)
     await aiockpt.save({"w": w}, ckpt_path)

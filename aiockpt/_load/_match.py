@@ -260,8 +260,10 @@ class _Matcher:
             sd = self.mapping(node, template, path, create=not complete)
         finally:
             self.inside_stateful -= 1
-        if isinstance(obj, torch.nn.Module):
+        if isinstance(obj, torch.nn.Module) and stock_loading(obj):
             # Tensors read in place into the module's own memory need no second copy: hand over the rest.
+            # (A module that loads its own way gets them all, as from load_state_dict(torch.load(...)):
+            # torch's copy of a tensor onto its own memory copies nothing.)
             own = _storages(obj)
             sd = {k: v for k, v in sd.items() if not (v is template.get(k) and _storage(v) in own)}
         self.plan.statefuls.append((obj, sd, path))
@@ -634,6 +636,26 @@ def plain_unpickle(data: bytes) -> object:
         Exception: ``data`` is no pickle (what ``pickle`` raises for it).
     """
     return _NothingImported(io.BytesIO(data)).load()
+
+
+def stock_loading(module: torch.nn.Module) -> bool:
+    """Whether ``module`` loads a state dict as ``torch.nn.Module`` does, with no code of its own.
+
+    That is: ``load_state_dict`` not overridden, no load hooks, and every submodule's
+    ``_load_from_state_dict`` one of torch's. Such a module takes a partial state dict with
+    ``strict=False``, the keys it lacks left as they are; code of its own may instead read any key, or
+    load strictly whatever it is asked.
+    """
+    if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        return False
+    for sub in module.modules():
+        if getattr(sub, "_load_state_dict_pre_hooks", None) or getattr(
+            sub, "_load_state_dict_post_hooks", None
+        ):
+            return False
+        if not type(sub)._load_from_state_dict.__module__.startswith("torch."):
+            return False
+    return True
 
 
 def _unwrapped(name: str) -> str:
