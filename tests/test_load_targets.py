@@ -116,6 +116,69 @@ async def test_strided_targets_whose_elements_are_apart_still_load(ckpt_path: Pa
     assert torch.equal(base[1::2], torch.zeros(4))
 
 
+# --- Statefuls that take what they are given -------------------------------------------------------------
+
+
+class _History:
+    """A Stateful whose state grows: a list of past values (an early-stopping tracker, say)."""
+
+    def __init__(self, values: list[float] | None = None) -> None:
+        self.values = values or []
+
+    def state_dict(self) -> dict[str, object]:
+        return {"history": list(self.values)}
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self.values = list(cast("list[float]", state_dict["history"]))
+
+
+async def test_a_statefuls_list_of_another_length_is_the_checkpoints(ckpt_path: Path) -> None:
+    """As ``load_state_dict(sd)`` takes it: the lengths differing was a difference, and (``strict=False``)
+    the object kept its own list."""
+    await aiockpt.save({"es": _History([0.9, 0.7, 0.8])}, ckpt_path)
+    for target in (_History(), _History([1.0])):
+        await aiockpt.load({"es": target}, ckpt_path)
+        assert target.values == [0.9, 0.7, 0.8]
+
+
+def _adam_stepped(params_with_grad: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = model[0](torch.randn(4, 3))
+    (model[1](x) if params_with_grad == 4 else x).sum().backward()
+    opt.step()
+    return model, opt
+
+
+async def test_an_optimizer_loads_state_as_its_load_state_dict_does(ckpt_path: Path) -> None:
+    """Into a stepped optimizer: its state for parameters the checkpoint has none for is dropped (it was
+    "missing key"), and a float ``step`` (older torch) is taken where the target's is a tensor."""
+    _, saved = _adam_stepped(2)  # the second layer got no gradient: no state for it
+    for state in saved.state.values():
+        state["step"] = float(state["step"])
+    await aiockpt.save({"opt": saved}, ckpt_path)
+    _, target = _adam_stepped(4)
+    _, reference = _adam_stepped(4)
+    reference.load_state_dict(saved.state_dict())
+    await aiockpt.load({"opt": target}, ckpt_path)
+    got, want = target.state_dict(), reference.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"]) == [0, 1]
+    for pid, entries in want["state"].items():
+        for name, value in entries.items():
+            assert torch.equal(got["state"][pid][name], value), (pid, name)
+
+
+async def test_an_optimizer_of_named_parameters_keeps_its_param_names(ckpt_path: Path) -> None:
+    model, saved = _adam_stepped(4)  # built from parameters(): its groups have no param_names
+    await aiockpt.save({"opt": saved}, ckpt_path)
+    target = torch.optim.Adam(model.named_parameters(), lr=0.1)
+    await aiockpt.load({"opt": target}, ckpt_path)
+    assert target.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
+    assert len(target.state) == 4
+
+
 # --- Inference tensors ----------------------------------------------------------------------------------
 
 

@@ -220,6 +220,8 @@ class _Matcher:
         if isinstance(node, TensorNode):
             return self.tensor(node, tmpl, path)
         if isinstance(tmpl, torch.Tensor):
+            if create:  # inside a Stateful that takes what it is given (an optimizer's float "step")
+                return self.build(node, MISSING, path, create=create)
             self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint {_kind_a(node)}")
             return tmpl
         if isinstance(node, DictNode):
@@ -317,12 +319,16 @@ class _Matcher:
         state without it: a scheduler's private attribute (``_is_initial``; its ``load_state_dict``
         updates its ``__dict__``, so what is missing stays) and an optimizer's on/off setting of a param
         group (``decoupled_weight_decay``, ``fused``, ``capturable``, ``foreach``..., a bool or ``None``,
-        for which the optimizer fills in a default). Anything else missing (a group's ``params`` or
-        ``lr``, a scheduler's ``last_epoch``) is a difference: the state of another kind of object.
+        for which the optimizer fills in a default), and a param group's ``param_names`` (an optimizer
+        built from ``named_parameters()`` keeps its own, loading the state of one built from
+        ``parameters()``). Anything else missing (a group's ``params`` or ``lr``, a scheduler's
+        ``last_epoch``) is a difference: the state of another kind of object.
         """
         if path in self.schedulers:
             return isinstance(name, str) and name.startswith("_")
-        return path in self.groups and name != "params" and (value is None or isinstance(value, bool))
+        if path not in self.groups or name == "params":
+            return False
+        return name == "param_names" or value is None or isinstance(value, bool)
 
     def apart(self) -> None:
         """Refuse a memory that the target ties under two keys, of which the checkpoint holds other values.
@@ -421,7 +427,9 @@ class _Matcher:
         # count covers the target's, none is missing (a manifest repeating a key only lowers the count).
         # Not a set of the checkpoint's keys: at 10^4 keys, building one holds the GIL for milliseconds,
         # and so does the collector's first visit of its strings.
-        if isinstance(tmpl, Mapping) and len(out) - created < len(tmpl):
+        if isinstance(tmpl, Mapping) and len(out) - created < len(tmpl) and path not in self.states:
+            # (An optimizer's state for a parameter the checkpoint has none for is dropped, as torch's
+            # load_state_dict drops it: the checkpoint's parameter had no gradient yet.)
             for name in tmpl:
                 if name in out:
                     continue
@@ -440,6 +448,10 @@ class _Matcher:
     def sequence(self, node: ListNode | TupleNode, tmpl: object, path: KeyPath, *, create: bool) -> object:
         kind = list if isinstance(node, ListNode) else tuple
         if tmpl is MISSING:
+            items = [self.build(c, MISSING, (*path, i), create=create) for i, c in enumerate(node.items)]
+        elif isinstance(tmpl, (list, tuple)) and len(tmpl) != len(node.items) and create:
+            # Inside a Stateful that grows its state (a history, LBFGS's old_dirs): the checkpoint's items,
+            # as its load_state_dict would take them.
             items = [self.build(c, MISSING, (*path, i), create=create) for i, c in enumerate(node.items)]
         elif isinstance(tmpl, (list, tuple)):
             if len(tmpl) != len(node.items):
