@@ -284,6 +284,29 @@ async def test_checkpointer_collects_only_stale_incomplete_steps(bucket: str) ->
     ]
 
 
+async def test_a_save_to_a_checkpointer_root_is_refused_and_deletes_nothing(bucket: str) -> None:
+    """Its objects under deeper prefixes (the steps) and its ``latest`` are nothing a save left behind.
+
+    They were taken for an abandoned save's objects: once older than ``stale_after`` a save to the root
+    deleted them all (every committed step) and committed there; before, it was refused as if a save
+    were in progress.
+    """
+    root = f"s3://{bucket}/run"
+    async with Checkpointer(root, s3=OPTS) as ckpt:
+        for step in (1, 2):
+            await ckpt.save({"w": torch.full((8,), float(step))}, step=step)
+    before = await keys(bucket, "run")
+    await anyio.sleep(3.2)  # older than stale_after below, by the server's whole-second clock
+    stale = S3Options(part_size=OPTS.part_size, stale_after=1.0)
+    with pytest.raises(
+        CheckpointExistsError, match=r"holds objects under deeper prefixes \(s3://.*/run/step-"
+    ):
+        await aiockpt.save({"w": torch.zeros(8)}, root, s3=stale)
+    assert await keys(bucket, "run") == before
+    async with Checkpointer(root, s3=stale) as ckpt:
+        assert ckpt.steps() == [1, 2]
+
+
 async def test_watch_polls_the_listing(bucket: str) -> None:
     root = f"s3://{bucket}/w"
     seen: list[int] = []

@@ -290,6 +290,12 @@ class S3Target:
         cleared = await clear(self.path, strict=True)
         if cleared.committed:
             raise CheckpointExistsError(f"{self.path} already exists; aiockpt never overwrites a checkpoint")
+        if cleared.nested is not None:
+            example = f"s3://{self.path.bucket}/{cleared.nested}"
+            raise CheckpointExistsError(
+                f"{self.path} holds objects under deeper prefixes ({example}): a Checkpointer's root, or "
+                "checkpoints saved under it; a checkpoint goes to a prefix of its own"
+            )
         if cleared.live:
             raise CheckpointExistsError(
                 f"{self.path} holds the objects of an uncommitted save that may still be running "

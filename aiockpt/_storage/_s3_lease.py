@@ -250,16 +250,21 @@ class Objects:
         leases: Per save token, its lease object.
         data: Per save token, the keys of its data objects.
         other: Objects of no save's token: written by a release that took no lease, or unknown.
+        nested: Objects under deeper prefixes (``step-00000001/manifest.msgpack``): no save writes
+            there, so they belong to something else (a Checkpointer's root, checkpoints saved under it).
     """
 
     committed: bool = False
     leases: dict[str, ObjectMeta] = field(default_factory=dict)
     data: dict[str, list[str]] = field(default_factory=dict)
     other: list[ObjectMeta] = field(default_factory=list)
+    nested: list[ObjectMeta] = field(default_factory=list)
 
     def add(self, name: str, meta: ObjectMeta) -> None:
         """Sort in the object ``meta``, called ``name`` under the prefix."""
-        if name == MANIFEST_NAME:
+        if "/" in name:
+            self.nested.append(meta)
+        elif name == MANIFEST_NAME:
             self.committed = True
         elif (m := _LEASE.fullmatch(name)) is not None:
             self.leases[m["token"]] = meta
@@ -270,7 +275,7 @@ class Objects:
 
     def empty(self) -> bool:
         """Whether the prefix holds nothing at all."""
-        return not (self.committed or self.leases or self.data or self.other)
+        return not (self.committed or self.leases or self.data or self.other or self.nested)
 
 
 async def objects(path: S3Path) -> Objects:
@@ -313,12 +318,15 @@ class Cleared:
             may go on beside it (the create-only manifest put lets one of the two commit), and deletes
             them once its own manifest is in place, which theirs can then never replace.
         removed: How many abandoned saves' objects were deleted.
+        nested: The key of an object under a deeper prefix, if there is one: never deleted, and no place
+            for a save (see :attr:`Objects.nested`).
     """
 
     committed: bool = False
     live: tuple[str, ...] = ()
     beside: tuple[tuple[str, ...], ...] = ()
     removed: int = 0
+    nested: str | None = None
 
 
 def _seconds(value: float) -> str:
@@ -328,8 +336,9 @@ def _seconds(value: float) -> str:
 async def clear(path: S3Path, *, strict: bool) -> Cleared:
     """Delete the objects of the abandoned saves under the uncommitted prefix ``path``; say what is left.
 
-    Never deletes anything under a committed prefix, nor any object of a save that may still run or
-    whose manifest may still land (see the module docstring and :attr:`Cleared.beside`). With ``strict``,
+    Never deletes anything under a committed prefix or one that holds deeper prefixes (see
+    :attr:`Objects.nested`), nor any object of a save that may still run or whose manifest may still
+    land (see the module docstring and :attr:`Cleared.beside`). With ``strict``,
     failing to read the server's clock is an error; without, saves whose age decides are then left alone
     (a client that may not write cannot put the probe).
 
@@ -339,6 +348,8 @@ async def clear(path: S3Path, *, strict: bool) -> Cleared:
     found = await objects(path)
     if found.committed or found.empty():
         return Cleared(committed=found.committed)
+    if found.nested:  # something else's prefix (a Checkpointer's root): nothing here is judged, or deleted
+        return Cleared(nested=found.nested[0]["path"])
     now: float | None = None
     try:
         now = await server_now(path)
@@ -400,6 +411,8 @@ async def clear(path: S3Path, *, strict: bool) -> Cleared:
                 f"objects without a lease, {when} (in progress elsewhere, or abandoned: they count as "
                 f"abandoned once older than S3Options.stale_after={path.options.stale_after:g} s)"
             )
+    if found.nested:  # (appeared since the first listing)
+        return Cleared(nested=found.nested[0]["path"])
     done = Cleared(live=tuple(live), beside=tuple(tuple(keys) for keys in beside))
     if not dead:
         return done
