@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -373,6 +374,29 @@ async def test_upload_failing_mid_way_leaves_nothing_and_keeps_earlier_checkpoin
         assert_tree_equal(target, {"big": torch.full((BIG,), 1.0)})
         await ckpt.save({"big": torch.full((BIG,), 2.0)}, step=2)  # the step is free again
         assert ckpt.steps() == [1, 2]
+
+
+async def test_a_listing_cancelled_in_flight_leaves_the_client_working(server: S3Server, bucket: str) -> None:
+    """A Checkpointer's open cancelled while its listing is in flight, then a garbage collection.
+
+    The listing was an async iteration of obstore's stream: the stream given up part-way was dropped by
+    Python's collector, outside obstore's runtime, which panicked (``PanicException`` out of
+    ``gc.collect()``) and left the store's client broken: every later request of the process failed
+    with ``RustPanic``.
+    """
+    root = f"s3://{bucket}/listed"
+    with FaultProxy(server.endpoint) as proxy, server.env(proxy.endpoint):
+        proxy.stall = lambda method, path: method == "GET" and "list-type" in path
+        opening = Checkpointer(root, s3=OPTS)
+        with pytest.raises(TimeoutError), anyio.fail_after(1.0):
+            await opening.open()
+        assert proxy.stalled.is_set()
+        proxy.release()
+        await anyio.sleep(1.0)  # the held listing is answered
+        gc.collect()
+        async with Checkpointer(root, s3=OPTS) as ckpt:
+            await ckpt.save({"w": torch.ones(4)}, step=1)
+            assert ckpt.steps() == [1]
 
 
 async def test_cancelled_upload_leaves_nothing(server: S3Server, bucket: str) -> None:

@@ -186,7 +186,11 @@ async def listing(path: S3Path) -> list[ObjectMeta]:
 
 
 async def _list(path: S3Path) -> list[Sequence[ObjectMeta]]:
-    return [batch async for batch in obstore.list(store(path), path.key + "/", chunk_size=1000)]
+    # One future for the whole listing, and no reference to the stream kept here: a stream given up
+    # part-way (its task cancelled while a page was in flight) is dropped by Python, outside obstore's
+    # runtime, which panics there and leaves the store's client broken for every later request of the
+    # process. The future alone is dropped inside the runtime.
+    return [await obstore.list(store(path), path.key + "/", chunk_size=1000).collect_async()]
 
 
 async def delete(path: S3Path, keys: Sequence[str]) -> None:
