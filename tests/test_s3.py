@@ -488,5 +488,11 @@ async def test_bad_urls_and_options() -> None:
     for bad in ("s3://", "s3://bucket", "s3://bucket/", "s3://bucket/a/../b"):
         with pytest.raises(aiockpt.CheckpointError):
             await aiockpt.read(bad)
+    # A key the client cannot encode: a bare ValueError from obstore at the first request, before.
+    for bad in ("s3://bucket/runs/a\tb", "s3://bucket/a\x00", "s3://bucket/a\x7fb"):
+        with pytest.raises(aiockpt.CheckpointError, match="control characters are not allowed"):
+            await aiockpt.read(bad)
+        with pytest.raises(aiockpt.CheckpointError, match="control characters are not allowed"):
+            Checkpointer(bad)
     with pytest.raises(aiockpt.CheckpointError, match="part_size"):
         S3Options(part_size=0)

@@ -113,8 +113,8 @@ def resolve(path: str | os.PathLike[str] | S3Path, s3: S3Options | None = None) 
     """``s3://bucket/prefix`` as an :class:`S3Path`; any other path made absolute.
 
     Raises:
-        CheckpointError: ``path`` is empty, the URL names no bucket or no prefix, or ``s3`` options come
-            with a local path.
+        CheckpointError: ``path`` is empty, the URL names no bucket or no prefix (or one with ``.``,
+            ``..`` or a control character in it), or ``s3`` options come with a local path.
     """
     if isinstance(path, S3Path):
         return path if s3 is None else S3Path(path.bucket, path.key, s3)
@@ -130,6 +130,8 @@ def resolve(path: str | os.PathLike[str] | S3Path, s3: S3Options | None = None) 
         raise CheckpointError(f"{path!r} is not a checkpoint URL: use s3://bucket/prefix")
     if any(part in (".", "..") for part in key.split("/")):
         raise CheckpointError(f"{path!r}: '.' and '..' are not allowed in an object key")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):  # (the client refuses them, with a ValueError)
+        raise CheckpointError(f"{path!r}: control characters are not allowed in an object key")
     return S3Path(bucket, key, s3 or S3Options())
 
 
