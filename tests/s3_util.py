@@ -135,6 +135,8 @@ class FaultProxy:
             forwarded, and answered ``503`` on :meth:`release` or when the proxy closes (the client may
             retry it; one still in flight when its client died never lands).
         stalled: Set once a request was held.
+        lose_answer: When set, a predicate on (method, path with query): a request it accepts is
+            forwarded (it lands) and the client is answered ``503`` (the answer lost on the way).
     """
 
     def __init__(self, upstream: str) -> None:
@@ -147,6 +149,7 @@ class FaultProxy:
         self.refuse: Callable[[str, str], bool] | None = None
         self.stall: Callable[[str, str], bool] | None = None
         self.stalled = threading.Event()
+        self.lose_answer: Callable[[str, str], bool] | None = None
         self._released = threading.Event()
         self._lock = threading.Condition()
         self._server = _Server(("127.0.0.1", 0), self._handler())
@@ -228,6 +231,9 @@ class FaultProxy:
                     data = resp.read()
                 finally:
                     conn.close()
+                if proxy.lose_answer is not None and proxy.lose_answer(self.command, self.path):
+                    self._slow_down()
+                    return
                 self.send_response(resp.status)
                 head = self.command == "HEAD"  # its Content-Length is the object's, with no body
                 for k, v in resp.getheaders():

@@ -399,6 +399,38 @@ async def test_a_listing_cancelled_in_flight_leaves_the_client_working(server: S
             assert ckpt.steps() == [1]
 
 
+async def test_a_commit_that_landed_though_reported_failed_is_committed(
+    server: S3Server, bucket: str
+) -> None:
+    """The manifest put lands, its answer is lost, and no retry is left: the save raised StorageError,
+    and its Checkpointer knew nothing of the step that was committed and loadable."""
+    root = f"s3://{bucket}/landed"
+    once = S3Options(part_size=OPTS.part_size, max_retries=0)
+    with FaultProxy(server.endpoint) as proxy, server.env(proxy.endpoint):
+        proxy.lose_answer = lambda method, path: method == "PUT" and "manifest.msgpack" in path
+        async with Checkpointer(root, s3=once) as ckpt:
+            meta = await ckpt.save({"w": torch.ones(4)}, step=1)
+            assert meta.step == 1
+            assert ckpt.steps() == [1]
+            assert ckpt.latest_step() == 1
+
+
+async def test_a_failed_clean_up_does_not_hide_why_a_save_failed(server: S3Server, bucket: str) -> None:
+    """The manifest put fails, and so do the deletes (a policy without DeleteObject): the save raised the
+    delete's StorageError, the commit's only in its context."""
+    url = f"s3://{bucket}/unclean"
+    once = S3Options(part_size=OPTS.part_size, max_retries=0)
+    with FaultProxy(server.endpoint) as proxy, server.env(proxy.endpoint):
+        proxy.refuse = lambda method, path: (
+            ("manifest.msgpack" in path and method == "PUT") or (method == "POST" and "delete" in path)
+        )
+        with (
+            pytest.warns(RuntimeWarning, match="cleaning up after the failed save"),
+            pytest.raises(StorageError, match=r"cannot write .*manifest\.msgpack"),
+        ):
+            await aiockpt.save({"w": torch.ones(4)}, url, s3=once)
+
+
 async def test_cancelled_upload_leaves_nothing(server: S3Server, bucket: str) -> None:
     url = f"s3://{bucket}/cancelled"
     with FaultProxy(server.endpoint) as proxy, server.env(proxy.endpoint):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -292,6 +293,25 @@ class _LocalTarget:
         return await run_sync(lambda: _read_summary(self.path), self.limiter)
 
 
+async def _discard(target: Target, where: object) -> None:
+    """Remove what a failed save left; a failure to is warned about, never raised over the save's own.
+
+    The save's error (or cancellation) is what its caller must see: a write refused, say, with the
+    deletes refused too (a store whose policy lacks DeleteObject), raised the delete's ``StorageError``.
+    What is left is collected later: a local temp directory when its root is next opened, an object
+    store's objects with their lease.
+    """
+    try:
+        await target.discard()
+    except Exception as exc:
+        warnings.warn(
+            f"cleaning up after the failed save to {where} failed, and what it wrote is left until it is "
+            f"collected: {exc}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
 def _target(req: SaveRequest, limiter: anyio.CapacityLimiter | None) -> Target:
     if isinstance(req.path, S3Path):
         if req.part is not None:
@@ -462,7 +482,7 @@ async def _save(
     except BaseException as exc:
         with anyio.CancelScope(shield=True):
             await exchanges.abort(describe(exc))
-            await target.discard()
+            await _discard(target, req.path)
         raise
     finally:
         exchanges.close()  # the next save over this group may take its exchanges

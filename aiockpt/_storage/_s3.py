@@ -364,6 +364,12 @@ class S3Target:
                 raise CheckpointExistsError(
                     f"checkpoint {self.path} already exists; nothing was replaced"
                 ) from exc
+            except StorageError:
+                # So may a put reported failed once its retries ran out (the answer lost on the way).
+                with contextlib.suppress(StorageError):
+                    if await get(self.path, MANIFEST_NAME) == data:
+                        return
+                raise
 
     async def published(self) -> None:
         """The manifest is in place: nothing of this save may be deleted any more but its lease.
