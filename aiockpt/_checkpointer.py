@@ -1009,9 +1009,11 @@ class Checkpointer:
         one (two saves in flight, several writers), which a comparison with the newest step yielded
         would miss. A root that vanished (removed to start a run afresh) is waited for: its steps are
         yielded once it is back. A local root made afresh (another directory under the same path, seen
-        missing or not) holds new checkpoints, whatever their numbers: its steps count as new. (An S3
-        root has no such identity: a step number saved again there, after the old one's deletion, is
-        yielded only if some listing saw it missing in between.)
+        missing or not) holds new checkpoints, whatever their numbers: its steps count as new; so do the
+        steps of a root whose newest step is older than the newest seen before (a run begun afresh in
+        the same directory, or in one that got the old one's inode number). (An S3 root has no identity:
+        a step number saved again there, after the old one's deletion, is yielded only if some listing
+        saw it missing in between, or the newest step went back.)
 
         Args:
             poll_interval: Seconds between listings.
@@ -1034,10 +1036,14 @@ class Checkpointer:
         while True:
             await anyio.sleep(poll_interval)
             found = await self._listing()
-            if found is None:
-                continue  # the root is gone for now: whether it comes back as it was, its identity tells
+            if found is None:  # the root is gone: what comes back in its place holds new checkpoints
+                known, root = set(), None
+                continue
             listed, identity = found
-            if identity != root:  # another directory (a run begun afresh): its steps are new
+            # Another directory (a run begun afresh) holds new steps; so does a root whose newest step is
+            # older than the newest known (retention never deletes the newest): the same path, removed
+            # and made again between two listings, whose directory got the old one's inode number.
+            if identity != root or (listed and known and listed[-1] < max(known)):
                 known, root = set(), identity
             fresh = [s for s in listed if s not in known]
             known = set(listed)

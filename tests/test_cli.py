@@ -425,6 +425,19 @@ def test_prune_applies_the_checkpointer_retention_and_removes_crashed_saves(tmp_
         assert ckpt.load(_state(0)) == 10
 
 
+def test_prune_goes_on_where_latest_cannot_be_read(tmp_path: Path) -> None:
+    """A directory in place of ``latest``: prune exited 2 ("Is a directory"), where the Checkpointer's
+    retention, which prune applies, goes on."""
+    root = tmp_path / "run"
+    _save_steps(root, [1, 2, 3])
+    (root / "latest").unlink()
+    (root / "latest").mkdir()
+    done = cli("prune", root, "--keep-last", "1")
+    assert done.returncode == 0, done.stderr
+    assert "latest cannot be read (Is a directory): ignored" in done.stderr
+    assert [n for n in listdir(root) if n.startswith("step-")] == ["step-00000003"]
+
+
 # --- convert --------------------------------------------------------------------------------------------
 
 

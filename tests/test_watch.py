@@ -140,6 +140,34 @@ async def test_watch_yields_the_steps_of_a_root_made_afresh_under_the_old_number
         assert_tree_equal(target, filled(-20))
 
 
+async def test_watch_yields_the_steps_of_a_run_begun_afresh_in_the_same_directory(root: Path) -> None:
+    """The root emptied and a new run's lower steps saved into it, between two polls: as a root removed
+    and made again whose directory got the old one's inode number (ext4 hands a freed number to the next
+    directory made), its identity is the old one's. Its steps were taken as known, and never yielded."""
+    async with Checkpointer(root) as writer:
+        for step in (1, 2, 3, 4):
+            await writer.save(filled(step), step=step)
+    async with (
+        Checkpointer(root) as watcher,
+        contextlib.aclosing(watcher.watch(poll_interval=1.0, coalesce=False)) as steps,
+    ):
+        pending = await started(steps, watcher)  # right after a listing: the swap is done by the next
+        listings = Listings.of(watcher)
+        seen = listings.count
+        for entry in list(root.iterdir()):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        async with Checkpointer(root) as writer:
+            for step in (1, 2):
+                await writer.save(filled(-step), step=step)
+        with anyio.fail_after(10):
+            assert await pending == 1
+            assert await anext(steps) == 2
+        assert listings.count > seen
+        target = filled(0)
+        assert await watcher.load(target) == 2
+        assert_tree_equal(target, filled(-2))
+
+
 async def test_a_watch_begun_while_the_root_is_missing_waits_for_it(root: Path) -> None:
     """A watch (re)started while the learner makes the root afresh used to raise ``StorageError`` at its
     first listing, though a root missing at any later poll is waited out."""

@@ -38,7 +38,12 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
     if is_checkpoint(directory):
         raise CheckpointNotFoundError(f"{directory} is a checkpoint, not a Checkpointer root")
     steps = scan_steps(directory)
-    latest = latest_of(directory)
+    try:
+        latest = latest_of(directory)
+    except OSError as exc:  # (a directory in its place, say): as the Checkpointer's retention, go on
+        reason = exc.strerror or exc
+        click.echo(f"aiockpt: {directory / 'latest'} cannot be read ({reason}): ignored", err=True)
+        latest = None
     doomed = doomed_steps(
         steps, keep_last=keep_last, keep_every=keep_every, protect=() if latest is None else (latest,)
     )
