@@ -246,11 +246,12 @@ async def read(
     directory (full tensors, nested as saved), a safetensors file or Hugging Face directory (a flat
     ``{name: tensor}`` dict) or a ``torch.save`` file; see ``docs/interop.md``. The large tensors of an
     aiockpt checkpoint on a local file system are copy-on-write views of its data files, verified when
-    read (see ``IOConfig.map_reads``). Its tensors under 64 KiB are views of shared 16 MiB slabs: one
-    kept alive keeps its slab alive, and ``torch.save`` of it writes the whole slab (``clone()`` one to
-    keep it alone). Mappings come back as plain dicts, whatever their type when saved (a
-    ``defaultdict``'s factory and an ``OrderedDict``'s type are not kept; lists and tuples of other
-    types are refused at save, unless pickled).
+    read (see ``IOConfig.map_reads``). Its tensors under 64 KiB are views of shared slabs (up to 16
+    MiB): one kept alive keeps its slab alive, and ``torch.save`` of it writes the whole slab
+    (``clone()`` one to keep it alone). Tensors that share storage so must not be grown in place
+    (``resize_`` within the storage succeeds, and overlaps the next tensor). Mappings come back as
+    plain dicts, whatever their type when saved (a ``defaultdict``'s factory and an ``OrderedDict``'s
+    type are not kept; lists and tuples of other types are refused at save, unless pickled).
 
     Args:
         path: A checkpoint directory, an ``s3://bucket/prefix`` URL, or a foreign checkpoint.

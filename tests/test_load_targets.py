@@ -170,6 +170,17 @@ async def test_an_optimizer_loads_state_as_its_load_state_dict_does(ckpt_path: P
             assert torch.equal(got["state"][pid][name], value), (pid, name)
 
 
+async def test_small_state_a_load_creates_sits_in_a_slab_of_its_size(ckpt_path: Path) -> None:
+    """A fresh optimizer's few KiB of state, created by the load, were cut from a 16 MiB slab, which
+    ``torch.save(opt.state_dict())`` then wrote whole."""
+    model, saved = _adam_stepped(4)
+    await aiockpt.save({"opt": saved}, ckpt_path)
+    target = torch.optim.Adam(model.parameters(), lr=0.1)
+    await aiockpt.load({"opt": target}, ckpt_path)
+    storages = {s["exp_avg"].untyped_storage().nbytes() for s in target.state.values()}
+    assert max(storages) <= 64 << 10, storages
+
+
 async def test_an_optimizer_of_named_parameters_keeps_its_param_names(ckpt_path: Path) -> None:
     model, saved = _adam_stepped(4)  # built from parameters(): its groups have no param_names
     await aiockpt.save({"opt": saved}, ckpt_path)

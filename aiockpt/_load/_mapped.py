@@ -11,7 +11,8 @@ stage like any other run, and writing to the tensor copies the page written, nev
 What the mapping costs its user: the tensor's pages are page-cache pages, which the kernel may evict
 under memory pressure and read again from the file when next touched (the file is never changed once a
 checkpoint is committed, and deleting it keeps a mapped file's bytes readable until the last tensor goes);
-a tensor whose storage is a mapping cannot be resized in place. ``IOConfig(map_reads=False)`` gives every
+a tensor whose storage is a mapping must not be resized in place (grown within the mapping, it overlaps
+the next tensor). ``IOConfig(map_reads=False)`` gives every
 fresh tensor memory of its own instead.
 
 Every function here blocks: call them only from worker threads.

@@ -709,14 +709,19 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class _Slabs:
-    """Fresh small tensors carved out of shared 16 MiB slabs (one per dtype) instead of one allocation each.
+    """Fresh small tensors carved out of shared slabs (one per dtype at a time), not one allocation each.
 
     Allocating (and first touching) thousands of tiny tensors one by one dominated ``read`` of states
     with many small tensors; slabs make it a few large allocations. Large tensors get their own memory.
     Each small tensor comes with its bytes as a slice of its slab's ``memoryview``: a tenth of the cost
     of a view made from the tensor, which counts at 10^4 tensors.
+
+    A dtype's first slab is ``FIRST`` bytes, each next one twice the last, up to ``SLAB``: ``torch.save``
+    of a tensor writes its whole storage, and a few small tensors (a fresh optimizer's state, created
+    by a load) written so took 16 MiB, their slab, where they hold a few KiB.
     """
 
+    FIRST = 64 << 10
     SLAB = 16 << 20
     SMALL = 64 << 10
     ALIGN = 64
@@ -777,7 +782,8 @@ class _Slabs:
         """The slab of ``dtype`` and its elements used, a new slab where ``need`` elements do not fit."""
         slab, raw, used = self.slabs.get(dtype, (None, None, 0))
         if slab is None or raw is None or used + need > slab.numel():
-            slab = torch.empty(self.SLAB // dtype.itemsize, dtype=dtype)
+            grown = self.FIRST // dtype.itemsize if slab is None else 2 * slab.numel()
+            slab = torch.empty(max(need, min(grown, self.SLAB // dtype.itemsize)), dtype=dtype)
             raw, used = byte_view(slab), 0
         return slab, raw, used
 
