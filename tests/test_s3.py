@@ -431,6 +431,22 @@ async def test_a_failed_clean_up_does_not_hide_why_a_save_failed(server: S3Serve
             await aiockpt.save({"w": torch.ones(4)}, url, s3=once)
 
 
+async def test_a_request_slower_than_the_clients_default_timeout_succeeds(
+    server: S3Server, bucket: str
+) -> None:
+    """S3Options.request_timeout is the client's: its own default (30 s) failed every part slower than that,
+    whatever retry_timeout said. Here a part takes 2.5 s against a 2 s default stand-in and a 5 s option."""
+    state = {"big": torch.arange(BIG, dtype=torch.float32)}
+    with FaultProxy(server.endpoint) as proxy, server.env(proxy.endpoint):
+        proxy.delay = 2.5
+        short = S3Options(part_size=OPTS.part_size, max_retries=0, request_timeout=2.0)
+        with pytest.raises(StorageError, match="cannot upload"):
+            await aiockpt.save(state, f"s3://{bucket}/slow-a", io=IO, s3=short)
+        enough = S3Options(part_size=OPTS.part_size, max_retries=0, request_timeout=5.0)
+        await aiockpt.save(state, f"s3://{bucket}/slow-b", io=IO, s3=enough)
+    assert_tree_equal(await aiockpt.read(f"s3://{bucket}/slow-b", s3=OPTS), state)
+
+
 async def test_cancelled_upload_leaves_nothing(server: S3Server, bucket: str) -> None:
     url = f"s3://{bucket}/cancelled"
     with FaultProxy(server.endpoint) as proxy, server.env(proxy.endpoint):
@@ -528,3 +544,5 @@ async def test_bad_urls_and_options() -> None:
             Checkpointer(bad)
     with pytest.raises(aiockpt.CheckpointError, match="part_size"):
         S3Options(part_size=0)
+    with pytest.raises(aiockpt.CheckpointError, match="request_timeout"):
+        S3Options(request_timeout=0)

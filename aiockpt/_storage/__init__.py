@@ -36,6 +36,11 @@ class S3Options:
         max_retries: Retries of a failed request (5xx, throttling, dropped connections), with
             exponential backoff and jitter.
         retry_timeout: Seconds after which a request is no longer retried.
+        request_timeout: Seconds one request may take, from connecting to its last byte, before it fails
+            (and is retried). Parts go up ``concurrency`` at a time: the link must carry ``concurrency *
+            part_size`` bytes in this long (with the defaults, 128 MiB in 120 s: 9 Mbit/s); on a slower
+            one, raise it or lower the others. (The client's own default, 30 s, failed every save over
+            a link slower than about 36 Mbit/s.)
         stale_after: Seconds after which the objects of an uncommitted save that holds no lease (written
             by releases that took none) count as abandoned: a :class:`~aiockpt.Checkpointer` deletes them
             when it opens, and a save to their prefix deletes them first. Saves of this release are judged
@@ -54,6 +59,7 @@ class S3Options:
     concurrency: int = 8
     max_retries: int = 10
     retry_timeout: float = 180.0
+    request_timeout: float = 120.0
     stale_after: float = 3600.0
     lease_timeout: float = 120.0
 
@@ -66,6 +72,8 @@ class S3Options:
             raise CheckpointError("S3Options.max_retries, retry_timeout and stale_after must be >= 0")
         if not self.lease_timeout > 0:
             raise CheckpointError(f"S3Options.lease_timeout must be positive, not {self.lease_timeout}")
+        if not self.request_timeout > 0:
+            raise CheckpointError(f"S3Options.request_timeout must be positive, not {self.request_timeout}")
 
 
 @dataclass(frozen=True)

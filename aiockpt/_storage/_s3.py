@@ -74,7 +74,9 @@ def store(path: S3Path) -> S3Store:
     if opts.region is not None:
         config["region"] = opts.region
     endpoint = opts.endpoint or os.environ.get("AWS_ENDPOINT_URL") or ""
-    client: ClientConfig = {"allow_http": True} if endpoint.startswith("http://") else {}
+    client: ClientConfig = {"timeout": timedelta(seconds=opts.request_timeout)}
+    if endpoint.startswith("http://"):
+        client["allow_http"] = True
     retry: RetryConfig = {
         "max_retries": opts.max_retries,
         "retry_timeout": timedelta(seconds=opts.retry_timeout),
