@@ -831,11 +831,21 @@ class Checkpointer:
             return
         root = self.root
         if isinstance(root, S3Path):
-            from ._storage._s3 import put, remove
+            from ._storage._s3 import committed, get, put, remove
 
             failed: Exception | None = None
             try:
-                await put(root, LATEST, _latest_bytes(steps[-1]), create=False)
+                # Forward only, as publish_newer: another writer of this root may have committed a newer
+                # step than this index knows. (Read, then put: a put between the two may still be undone;
+                # an object store offers no compare-and-swap here.)
+                raw = await get(root, LATEST)
+                current = None if raw is None else step_of(raw.decode(errors="replace").strip())
+                if (
+                    current is None
+                    or current < steps[-1]
+                    or (current != steps[-1] and not await committed(root / step_dir_name(current)))
+                ):
+                    await put(root, LATEST, _latest_bytes(steps[-1]), create=False)
             except StorageError as exc:  # retention goes on without it (see publish_newer)
                 failed = exc
             for s in doomed:

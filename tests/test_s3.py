@@ -308,6 +308,18 @@ async def test_a_save_to_a_checkpointer_root_is_refused_and_deletes_nothing(buck
         assert ckpt.steps() == [1, 2]
 
 
+async def test_latest_only_moves_forward(bucket: str) -> None:
+    """Two writers of one root: a late save of an older step put its own step in ``latest``, which then
+    named step 3 beside a committed step 5 (a local root's ``latest`` stays at 5)."""
+    root = f"s3://{bucket}/forward"
+    async with Checkpointer(root, s3=OPTS) as a, Checkpointer(root, s3=OPTS) as b:
+        await a.save({"w": torch.ones(4)}, step=5)
+        await b.save({"w": torch.ones(4)}, step=3)  # b opened before step 5 was there
+        assert await a.refresh() == [3, 5]
+    latest = await obstore.get_async(client(bucket), "forward/latest")
+    assert bytes(await latest.bytes_async()).strip() == b"step-00000005"
+
+
 async def test_watch_polls_the_listing(bucket: str) -> None:
     root = f"s3://{bucket}/w"
     seen: list[int] = []
