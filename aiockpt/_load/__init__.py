@@ -7,14 +7,11 @@ tensors already filled in place when a later block fails verification.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import MutableMapping
 from functools import partial
-from typing import cast
 
 import anyio
 import msgspec
-import torch
 
 from .._cuda import noting
 from .._errors import (
@@ -34,7 +31,7 @@ from .._threads import release, responsive, run_sync
 from .._tree import render, type_name
 from ._manifest import decode_summary, is_checkpoint, published_parts, read_manifest, read_summary
 from ._mapped import Mapper
-from ._match import LoadPlan, match, stock_loading
+from ._match import LoadPlan, match
 from ._ranks import project
 from ._read import cached_pages, read_into
 
@@ -134,11 +131,11 @@ async def hand_over(plan: LoadPlan, limiter: anyio.CapacityLimiter | None) -> No
     """Call ``load_state_dict`` on the plan's Statefuls, innermost first, once their tensors are filled."""
 
     def call_all() -> None:
-        for obj, sd, key in plan.statefuls:
+        for obj, sd, key, loose in plan.statefuls:
             try:
-                if isinstance(obj, torch.nn.Module) and (stock_loading(obj) or _takes_strict(obj)):
-                    obj.load_state_dict(cast("dict[str, object]", sd), strict=False)
-                else:  # (an override of a module's own: called as its signature says)
+                if loose:
+                    obj.load_state_dict(sd, strict=False)  # type: ignore[attr-defined]
+                else:
                     obj.load_state_dict(sd)  # type: ignore[attr-defined]
             except Exception as exc:
                 raise StateError(
@@ -148,15 +145,6 @@ async def hand_over(plan: LoadPlan, limiter: anyio.CapacityLimiter | None) -> No
 
     if plan.statefuls:
         await run_sync(call_all, limiter)
-
-
-def _takes_strict(module: torch.nn.Module) -> bool:
-    """Whether ``module.load_state_dict`` takes ``strict=`` (an override may not)."""
-    try:
-        parameters = inspect.signature(module.load_state_dict).parameters
-    except (TypeError, ValueError):  # no signature to read: call it as torch's
-        return True
-    return "strict" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def settle(plan: LoadPlan, where: object, *, strict: bool) -> None:

@@ -13,6 +13,7 @@ Entries that a Stateful's ``state_dict()`` lacks are created from the checkpoint
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
 import os
@@ -97,7 +98,9 @@ class LoadPlan:
     Attributes:
         result: The rebuilt tree (a dict), tensor leaves being destinations.
         destinations: One per manifest tensor that is loaded.
-        statefuls: ``(object, state dict, key path)`` to call ``load_state_dict`` on, innermost first.
+        statefuls: ``(object, state dict, key path, loose)`` to call ``load_state_dict`` on, innermost
+            first; with ``strict=False`` where ``loose`` (a module whose tensors read in place were left
+            out of its state dict, or one whose ``load_state_dict`` takes ``strict``).
         assign: ``(container, key, value)`` to set in the target's own containers, innermost first.
         differences: Every mismatch found.
         aliasing: The destinations' memory, and those that share an earlier one's (a load in place).
@@ -106,7 +109,7 @@ class LoadPlan:
     result: dict[Key, object]
     assign: list[tuple[Any, Key, object]] = field(default_factory=list)
     destinations: dict[int, Destination] = field(default_factory=dict)
-    statefuls: list[tuple[object, dict[Key, object], KeyPath]] = field(default_factory=list)
+    statefuls: list[tuple[object, dict[Key, object], KeyPath, bool]] = field(default_factory=list)
     differences: list[str] = field(default_factory=list)
     aliasing: Aliasing | None = None
 
@@ -262,13 +265,17 @@ class _Matcher:
             sd = self.mapping(node, template, path, create=not complete)
         finally:
             self.inside_stateful -= 1
-        if isinstance(obj, torch.nn.Module) and stock_loading(obj):
+        loose = False
+        if isinstance(obj, torch.nn.Module) and _stock_loading(obj):
             # Tensors read in place into the module's own memory need no second copy: hand over the rest.
             # (A module that loads its own way gets them all, as from load_state_dict(torch.load(...)):
             # torch's copy of a tensor onto its own memory copies nothing.)
             own = _storages(obj)
             sd = {k: v for k, v in sd.items() if not (v is template.get(k) and _storage(v) in own)}
-        self.plan.statefuls.append((obj, sd, path))
+            loose = True
+        elif isinstance(obj, torch.nn.Module):
+            loose = _takes_strict(obj)  # (an override of its own: called as its signature says)
+        self.plan.statefuls.append((obj, sd, path, loose))
         return obj
 
     def note_params(self, opt: torch.optim.Optimizer, sd: Mapping[str, object], path: KeyPath) -> None:
@@ -650,7 +657,7 @@ def plain_unpickle(data: bytes) -> object:
     return _NothingImported(io.BytesIO(data)).load()
 
 
-def stock_loading(module: torch.nn.Module) -> bool:
+def _stock_loading(module: torch.nn.Module) -> bool:
     """Whether ``module`` loads a state dict as ``torch.nn.Module`` does, with no code of its own.
 
     That is: ``load_state_dict`` not overridden, no load hooks, and every submodule's
@@ -668,6 +675,15 @@ def stock_loading(module: torch.nn.Module) -> bool:
         if not type(sub)._load_from_state_dict.__module__.startswith("torch."):
             return False
     return True
+
+
+def _takes_strict(module: torch.nn.Module) -> bool:
+    """Whether ``module.load_state_dict`` takes ``strict=`` (an override may not)."""
+    try:
+        parameters = inspect.signature(module.load_state_dict).parameters
+    except (TypeError, ValueError):  # no signature to read: call it as torch's
+        return True
+    return "strict" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def _unwrapped(name: str) -> str:
