@@ -91,10 +91,10 @@ def latest_of(root: Path) -> int | None:
         OSError: ``latest`` exists but cannot be read.
     """
     try:
-        name = read_regular(root / LATEST).decode(errors="replace").strip()
+        raw = read_regular(root / LATEST)
     except (FileNotFoundError, IrregularFileError):
         return None
-    return step_of(name)
+    return _latest_step(raw)
 
 
 def collect_temp(root: Path, *, dry_run: bool = False) -> list[Path]:
@@ -152,6 +152,11 @@ def _collect_if_allowed(root: Path) -> None:
 def _latest_bytes(step: int) -> bytes:
     """What ``latest`` holds when it names ``step``: the step directory's name and a newline."""
     return (step_dir_name(step) + "\n").encode()
+
+
+def _latest_step(raw: bytes) -> int | None:
+    """The step that ``latest``'s bytes ``raw`` name (see :func:`_latest_bytes`), or ``None``."""
+    return step_of(raw.decode(errors="replace").strip())
 
 
 def _latest_turn(root: Path, locked: bool) -> contextlib.AbstractContextManager[None]:
@@ -839,7 +844,7 @@ class Checkpointer:
                 # step than this index knows. (Read, then put: a put between the two may still be undone;
                 # an object store offers no compare-and-swap here.)
                 raw = await get(root, LATEST)
-                current = None if raw is None else step_of(raw.decode(errors="replace").strip())
+                current = None if raw is None else _latest_step(raw)
                 if (
                     current is None
                     or current < steps[-1]
