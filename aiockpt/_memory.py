@@ -382,7 +382,12 @@ class StagingPool:
                 return Claim(nbytes, pinned, buffer=best)
             if self.budget is not None and self._in_use + nbytes > self.budget:
                 return None
-            evicted: list[torch.Tensor] = []
+            # A kept buffer too small for this claim is dropped: the state it served has grown past it (or
+            # a larger one is saved now, which can reuse the new buffer later). Kept otherwise, a state that
+            # grows a little every save kept one more buffer each time, without a budget without end.
+            evicted = [b for b in self._free if b.numel() < nbytes and b.is_pinned() == pinned]
+            if evicted:
+                self._free = [b for b in self._free if not any(b is e for e in evicted)]
             if self.budget is not None:
                 kept = sum(b.numel() for b in self._free)
                 while self._free and self._in_use + kept + nbytes > self.budget:

@@ -10,6 +10,7 @@ from ._errors import CheckpointError
 
 # Past a few threads a local disk gains nothing; network file systems may want more, set explicitly.
 _MAX_AUTO_THREADS = 4
+_MAX_BLOCK = 1 << 40
 
 
 def auto_threads() -> int:
@@ -221,8 +222,11 @@ class IOConfig:
         if not (_is_int(nice) and 0 <= nice <= 19):
             raise CheckpointError(f"IOConfig.worker_nice must be an int from 0 to 19, not {nice!r}")
         block = self.checksum_block
-        if not (_is_int(block) and block >= 4096 and not block % 4096):
-            raise CheckpointError(f"IOConfig.checksum_block must be a multiple of 4096 (> 0), not {block!r}")
+        # (Bounded above so the manifest can record it: its ints are at most 64 bits.)
+        if not (_is_int(block) and 4096 <= block <= _MAX_BLOCK and not block % 4096):
+            raise CheckpointError(
+                f"IOConfig.checksum_block must be a multiple of 4096 from 4096 to 2**40, not {block!r}"
+            )
 
     @property
     def thread_count(self) -> int:

@@ -377,13 +377,18 @@ class _Flattener:
         check_tensor(t, path)
         tie = _tie_key(t, box) if t.numel() > 0 else None
         seen = None if tie is None else self.seen.get(tie)
-        if seen is not None and _same_values(self.tensors[seen], t):
+        if tie is not None and seen is not None and not _same_values(self.tensors[seen], t):
+            # These bytes were first seen read otherwise (through a lazy conj or neg bit, or without):
+            # this reading is tied to its own first occurrence, under a longer key.
+            tie = (*tie, t.is_conj(), t.is_neg())
+            seen = self.seen.get(tie)
+        if seen is not None:
             return TensorNode(index=seen)
         index = len(self.tensors)
         self.tensors.append(t)
         self.paths.append(path)
         self.boxes.append(box)
-        if tie is not None and seen is None:  # (the first view of these bytes is the one tied to)
+        if tie is not None:  # (the first view of these bytes is the one tied to)
             self.seen[tie] = index
         return TensorNode(index=index)
 

@@ -56,7 +56,7 @@ def test_each_planning_loop_of_a_save_offers_the_gil(monkeypatch: pytest.MonkeyP
     layout = _stage.plan_stage(state, copy=False, allow_pickle=False)  # unpatched: the reference
     calls = _counting(monkeypatch, _stage, _local_plan, _global_plan, _write)
     again = _stage.plan_stage(state, copy=False, allow_pickle=False)
-    local = _local_plan.local_plan(0, layout.flat)
+    local = _local_plan.local_plan(0, layout.flat, layout.specs)
     plan = _global_plan.global_plan([local])
     pieces = _write._pieces(plan.ranks[0], layout.sources, 1 << 20)
     for module in (_stage, _local_plan, _global_plan, _write):

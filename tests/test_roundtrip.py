@@ -7,6 +7,7 @@ import os
 import struct
 import sys
 from pathlib import Path
+from typing import cast
 
 import crc32c
 import pytest
@@ -239,6 +240,36 @@ async def test_lazy_conjugate_and_negative_views_are_not_tied_to_their_base(
 
 
 @ASYNC
+async def test_a_tensor_stays_tied_when_a_lazy_view_of_its_bytes_came_first(
+    async_op: bool, ckpt_path: Path
+) -> None:
+    """Only the first reading of some bytes was remembered for ties: after ``z.conj()``, two occurrences
+    of ``z`` itself were stored twice and came back as two tensors."""
+    gen = torch.Generator().manual_seed(6)
+    z = torch.randn(64, dtype=torch.complex64, generator=gen)
+    x = torch.randn(64, generator=gen)
+    state: dict[str, object] = {
+        "z_conj": z.conj(),
+        "z": z,
+        "z_again": z,
+        "z_conj_again": z.conj(),
+        "neg_x": torch._neg_view(x),
+        "x": x,
+        "x_again": x,
+    }
+    meta = await save(state, ckpt_path, async_op=async_op)
+    assert meta.num_tensors == 4
+    got = await aiockpt.read(ckpt_path)
+    assert got["z"] is got["z_again"]
+    assert got["z_conj"] is got["z_conj_again"]
+    assert got["x"] is got["x_again"]
+    assert torch.equal(tensor_at(got, "z_conj"), z.conj().resolve_conj())
+    assert torch.equal(tensor_at(got, "z"), z)
+    assert torch.equal(tensor_at(got, "neg_x"), -x)
+    assert torch.equal(tensor_at(got, "x"), x)
+
+
+@ASYNC
 @pytest.mark.parametrize("rows", [8, 50, 400], ids=["2400B", "15000B", "120000B"])
 async def test_non_contiguous_one_byte_dtypes_without_copy_kernels_roundtrip(
     rows: int, async_op: bool, ckpt_path: Path
@@ -434,6 +465,32 @@ async def test_async_save_snapshots_state_at_staging(ckpt_path: Path) -> None:
     assert meta.num_tensors >= 5
     got = await aiockpt.read(ckpt_path)
     assert_tree_equal(got, expected)
+
+
+async def test_async_save_keeps_the_shapes_and_dtypes_tensors_had_when_staged(ckpt_path: Path) -> None:
+    """The local plan was made after the save returned, from the caller's tensors: one transposed or
+    given another dtype in place then reached the manifest with its new shape or dtype, and a resized
+    one left a checkpoint whose every read failed its checksums."""
+    state: dict[str, object] = {
+        "t": torch.arange(12.0).reshape(3, 4),
+        "shrunk": torch.arange(12.0),
+        "grown": torch.arange(6.0),
+        "retyped": torch.ones(4),
+        "unsqueezed": torch.arange(6.0).reshape(2, 3),
+        "other": torch.full((12,), 7.0),
+    }
+    expected = snapshot(state)
+    handle = await aiockpt.save(state, ckpt_path, async_op=True)
+    tensors = cast("dict[str, torch.Tensor]", state)
+    tensors["t"].t_()
+    tensors["shrunk"].resize_(4)
+    tensors["grown"].resize_(600)
+    tensors["retyped"].data = tensors["retyped"].data.view(torch.int32)
+    tensors["unsqueezed"].unsqueeze_(0)
+    await handle
+    assert_tree_equal(await aiockpt.read(ckpt_path), expected)
+    report = await aiockpt.verify(ckpt_path)
+    assert report.ok, report
 
 
 async def test_async_handle_and_metadata(ckpt_path: Path) -> None:

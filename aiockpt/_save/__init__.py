@@ -75,7 +75,7 @@ class _Local:
 
 def _plan_local(rank: int, staged: Staged, world_size: int) -> _Local:
     with paused():
-        local = local_plan(rank, staged.flat)
+        local = local_plan(rank, staged.flat, staged.specs)
         encoded = sliced_encode(local, "items", blobs=True)
         out = _Local(encoded)
         sigs: list[Signature] = []

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from .._format import KeyPath
-from .._memory import nbytes_of
 from .._threads import OFFER_ITEMS, yield_gil
 from .._tree import Flattened, dtype_name
+from ._stage import Spec
 
 
 class WriteItem(msgspec.Struct, frozen=True, kw_only=True, gc=False, array_like=True):
@@ -34,14 +36,17 @@ class LocalPlan(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     items: tuple[WriteItem, ...]
 
 
-def local_plan(rank: int, flat: Flattened) -> LocalPlan:
-    """Plan the writes of ``rank``: one chunk per tensor, the whole tensor or its DTensor shard."""
+def local_plan(rank: int, flat: Flattened, specs: Sequence[Spec]) -> LocalPlan:
+    """Plan the writes of ``rank``: one chunk per tensor, the whole tensor or its DTensor shard.
+
+    Each tensor is described by its ``specs`` entry (as staged), not by ``flat.tensors``: once an async
+    save returned, the caller may have resized a tensor, or changed its dtype, in place.
+    """
     zeros = [(0,) * n for n in range(8)]
     items: list[WriteItem] = []
-    for path, t, box in zip(flat.paths, flat.tensors, flat.boxes, strict=True):
+    for path, (dtype, sizes, nbytes), box in zip(flat.paths, specs, flat.boxes, strict=True):
         if not len(items) % OFFER_ITEMS:
             yield_gil()
-        sizes = tuple(t.shape)
         if box is None:  # a plain tensor: the whole of it, identical wherever it is held
             nd = len(sizes)
             shape, offsets, replicated = sizes, zeros[nd] if nd < 8 else (0,) * nd, True
@@ -50,11 +55,11 @@ def local_plan(rank: int, flat: Flattened) -> LocalPlan:
         items.append(
             WriteItem(
                 path=path,
-                dtype=dtype_name(t.dtype),
+                dtype=dtype_name(dtype),
                 shape=shape,
                 offsets=offsets,
                 sizes=sizes,
-                nbytes=nbytes_of(t),
+                nbytes=nbytes,
                 replicated=replicated,
             )
         )

@@ -20,11 +20,12 @@ import anyio
 import torch
 
 from .._cuda import cuda_devices, wait
+from .._errors import StateError
 from .._gc import collect_young, paused
 from .._memory import PAGE, Claim, StagingPool, byte_view, nbytes_of, plain_cpu, plain_view
 from .._runs import lanes
 from .._threads import OFFER_ITEMS, acquire_sync, each_in_thread, release, run_sync, yield_gil
-from .._tree import Flattened, flatten
+from .._tree import Flattened, flatten, render
 
 # Large staged tensors start at multiples of this (the staging buffer itself does, see ``page_aligned``):
 # every dtype view of the buffer is aligned, and their bytes can be written with O_DIRECT. At most 4 KiB
@@ -41,6 +42,10 @@ _COPY_THREADS = 4
 # copied to the host in one (see _copy_gathered).
 _GATHER = 512 << 10
 
+# A tensor as staging found it: its dtype, shape and bytes. The plan is made from these, never from the
+# tensor itself, which the caller may change (even in shape or dtype, in place) once an async save returned.
+Spec = tuple[torch.dtype, tuple[int, ...], int]
+
 
 @dataclass
 class Staged:
@@ -48,6 +53,7 @@ class Staged:
 
     Attributes:
         flat: The state's structure and unique tensors.
+        specs: ``flat.tensors[i]`` as it was staged (what ``sources[i]`` holds).
         sources: The bytes of ``flat.tensors[i]`` in host memory that stays put until the write ends.
         buffer: The staging buffer to give back to the pool afterwards, if one was used.
         nbytes: Tensor bytes in the state.
@@ -55,6 +61,7 @@ class Staged:
     """
 
     flat: Flattened
+    specs: list[Spec]
     sources: list[memoryview]
     buffer: torch.Tensor | None
     nbytes: int
@@ -198,6 +205,7 @@ class Layout:
     """Where each tensor that must be copied goes in the staging buffer (``total`` bytes)."""
 
     flat: Flattened
+    specs: list[Spec]
     sources: list[memoryview]
     nbytes: int
     small: list[int]
@@ -215,6 +223,7 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
         collect_young()  # its tuples of keys and nodes, whole, while they are in the cache
     tensors = flat.tensors
     # Grown, not made whole as ``[_EMPTY] * n``: a collection that meets it early meets it small.
+    specs: list[Spec] = []
     sources: list[memoryview] = []
     small: list[int] = []
     gathered: list[int] = []
@@ -225,6 +234,7 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
             yield_gil()
         n = nbytes_of(t)
         nbytes += n
+        specs.append((t.dtype, tuple(t.shape), n))
         # Others (GPU tensors, lazy conj/neg views) go through a copy.
         view = None if copy or n == 0 else plain_view(t)
         sources.append(_EMPTY if view is None else view)
@@ -244,21 +254,47 @@ def plan_stage(state: Mapping[str, object], *, copy: bool, allow_pickle: bool) -
     pos = 0
     for i in small + gathered:
         offsets[i] = pos
-        pos += nbytes_of(tensors[i])
+        pos += specs[i][2]
     for i in large:
         pos = -(-pos // _ALIGN) * _ALIGN
         offsets[i] = pos
-        pos += nbytes_of(tensors[i])
+        pos += specs[i][2]
     devices = cuda_devices(tensors[i] for i in gathered + large)
     collect_young()  # ``sources`` and the index lists, which grew without setting off a collection
-    return Layout(flat, sources, nbytes, small, gathered, large, offsets, pos, devices)
+    return Layout(flat, specs, sources, nbytes, small, gathered, large, offsets, pos, devices)
+
+
+def _check_sizes(layout: Layout) -> None:
+    """Refuse to copy a tensor whose size changed since ``plan_stage`` laid out its place in the buffer.
+
+    Between the two, the save may wait for staging memory while other tasks run.
+
+    Raises:
+        StateError: A tensor was resized while the save staged it, naming its key.
+    """
+    tensors, specs = layout.flat.tensors, layout.specs
+    for n, i in enumerate(layout.offsets):
+        if not n % OFFER_ITEMS:
+            yield_gil()
+        if nbytes_of(tensors[i]) != specs[i][2]:
+            key = render(layout.flat.paths[i])
+            raise StateError(
+                f"the tensor at key {key!r} changed from {specs[i][2]} to {nbytes_of(tensors[i])} bytes "
+                "while the save was staging it; change a state only once save() has returned",
+                key=key,
+            )
 
 
 def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
-    """Copy the tensors of ``layout`` into the staging buffer ``claim`` grants. Blocking."""
-    flat, sources, tensors = layout.flat, layout.sources, layout.flat.tensors
+    """Copy the tensors of ``layout`` into the staging buffer ``claim`` grants. Blocking.
+
+    Raises:
+        StateError: A tensor was resized while the save staged it, naming its key.
+    """
+    flat, specs, sources, tensors = layout.flat, layout.specs, layout.sources, layout.flat.tensors
     if not layout.offsets:
-        return Staged(flat=flat, sources=sources, buffer=None, nbytes=layout.nbytes, copied=0)
+        return Staged(flat=flat, specs=specs, sources=sources, buffer=None, nbytes=layout.nbytes, copied=0)
+    _check_sizes(layout)
     buffer = pool.take(claim)
     try:
         _copy_small(tensors, layout.small, layout.offsets, buffer)
@@ -283,10 +319,10 @@ def copy_stage(layout: Layout, pool: StagingPool, claim: Claim) -> Staged:
     whole = byte_view(buffer)
     copied = 0
     for i, off in layout.offsets.items():
-        n = nbytes_of(tensors[i])
+        n = specs[i][2]
         sources[i] = whole[off : off + n]
         copied += n
-    return Staged(flat=flat, sources=sources, buffer=buffer, nbytes=layout.nbytes, copied=copied)
+    return Staged(flat=flat, specs=specs, sources=sources, buffer=buffer, nbytes=layout.nbytes, copied=copied)
 
 
 async def stage(
