@@ -23,7 +23,7 @@ from ._load._ranks import checked_rank
 from ._memory import ONE_SHOT_PINNED, StagingPool
 from ._options import IOConfig, check_flags, check_timeout, io_config
 from ._runner import start_background
-from ._save import SaveRequest, run_save
+from ._save import SaveRequest, metadata_of, run_save
 from ._storage import S3Options, S3Path, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, part_of, resolve_world
@@ -133,6 +133,7 @@ async def save(
     """
     check_flags(async_op=async_op, allow_pickle=allow_pickle, use_collectives=use_collectives)
     check_timeout(collective_timeout)
+    user_metadata = metadata_of(metadata)
     target = resolve(path, s3)
     part = part_of(process_group) if not use_collectives else None
     if part is not None:
@@ -143,7 +144,7 @@ async def save(
         part=part,
         copy=async_op,
         allow_pickle=allow_pickle,
-        user_metadata=dict(metadata or {}),
+        user_metadata=user_metadata,
         io=io_config(io),
     )
     handle = SaveHandle(path=str(req.path), step=None)

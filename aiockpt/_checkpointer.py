@@ -47,7 +47,7 @@ from ._load import check_target, exists, is_checkpoint, run_load, run_metadata, 
 from ._memory import StagingPool
 from ._options import IOConfig, check_flags, check_timeout, io_config
 from ._runner import start_background, start_soon
-from ._save import SaveRequest, run_reserve, run_save
+from ._save import SaveRequest, metadata_of, run_reserve, run_save
 from ._storage import Location, S3Options, S3Path, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, World, part_of, resolve_world
@@ -668,13 +668,17 @@ class Checkpointer:
             BusyError: ``on_busy="error"`` and ``max_inflight`` saves are in flight.
             SaveSkippedError: ``on_busy="skip"``, the Checkpointer is busy and ``async_op`` is false (with
                 ``async_op=True`` the returned handle is skipped instead).
-            StateError: The state holds something that cannot be saved (names the key).
+            StateError: The state or ``metadata`` holds something that cannot be saved (names the key),
+                or ``metadata`` is not a dict.
             StorageError: Writing failed; earlier checkpoints are untouched.
+            CheckpointError: ``async_op`` is not a bool, or ``step`` is not an int of at least 0.
         """
         await self.open()
         if self._closing:
             raise CheckpointError(f"the Checkpointer of {self.root} is closing")
         _check_step(step)
+        check_flags(async_op=async_op)
+        user_metadata = metadata_of(metadata)
         path = self.path_of(step)
         # Distributed: rank 0 checks the target inside the save's collective protocol, so that every
         # rank takes the same decision; here only a step in flight on this rank is refused early.
@@ -710,7 +714,7 @@ class Checkpointer:
             step=step,
             copy=async_op,
             allow_pickle=self.allow_pickle,
-            user_metadata=dict(metadata or {}),
+            user_metadata=user_metadata,
             io=self.io,
             settle=self._removals_done,
         )

@@ -636,6 +636,44 @@ async def test_checkpointer_refuses_bad_metadata_and_keeps_the_older_checkpoint(
     assert tmp_entries(root) == []
 
 
+NOT_A_MAPPING = [
+    pytest.param(["a"], "a builtins.list", id="list"),
+    pytest.param([("a", 1)], "a builtins.list", id="list_of_pairs"),  # which dict() took as a mapping
+    pytest.param(
+        torch.tensor([0.1, 0.2]), "a torch.Tensor", id="tensor"
+    ),  # `metadata or {}`: a bare RuntimeError
+    pytest.param("seed=1", "a builtins.str", id="str"),
+]
+
+
+@pytest.mark.parametrize(("metadata", "named"), NOT_A_MAPPING)
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync_save", "async_save"])
+async def test_a_checkpointer_refuses_metadata_that_is_not_a_mapping_and_stays_usable(
+    metadata: object, named: str, async_op: bool, root: Path
+) -> None:
+    """It failed with a bare ValueError or RuntimeError after taking its in-flight slot, and kept it:
+    every later save and the Checkpointer's close waited for it for ever."""
+    async with aiockpt.Checkpointer(root, max_inflight=1) as ckpt:
+        with pytest.raises(StateError, match=f"metadata must be a dict of str keys, or None, not {named}"):
+            await ckpt.save({"w": torch.ones(4)}, step=1, async_op=async_op, metadata=metadata)  # type: ignore[call-overload]
+        with anyio.fail_after(30):
+            await ckpt.save({"w": torch.ones(4)}, step=1, metadata={"fine": 1})
+        assert ckpt.steps() == [1]
+    with pytest.raises(StateError, match=f"not {named}"):
+        await aiockpt.save({"w": torch.ones(4)}, root / "one", metadata=metadata)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("flag", ["no", "false", 1, None])
+async def test_a_checkpointer_save_refuses_an_async_op_that_is_not_a_bool(flag: object, root: Path) -> None:
+    """``async_op="false"`` started a background save, returning before the checkpoint was durable."""
+    async with aiockpt.Checkpointer(root) as ckpt:
+        with pytest.raises(CheckpointError, match=f"async_op must be a bool, not {flag!r}"):
+            await ckpt.save({"w": torch.ones(4)}, step=1, async_op=flag)  # type: ignore[call-overload]
+        assert ckpt.steps() == []
+        await ckpt.save({"w": torch.ones(4)}, step=1)
+    assert tmp_entries(root) == []
+
+
 async def test_metadata_at_the_edges_of_what_a_manifest_holds_is_kept(ckpt_path: Path) -> None:
     metadata: dict[str, str | int | float | bool | None] = {
         "max": 2**64 - 1,

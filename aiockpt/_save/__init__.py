@@ -34,7 +34,8 @@ from .._storage import Location, S3Path
 from .._threads import acquire_sync, dismantle, release, responsive, run_sync
 from .._world import World
 from . import _ranks
-from ._finish import build_manifest, check_metadata, commit, encode_manifest
+from ._finish import UserMetadata, build_manifest, check_metadata, commit, encode_manifest
+from ._finish import metadata_of as metadata_of
 from ._global_plan import GlobalPlan, RankPlan, global_plan
 from ._local_plan import LocalPlan, WriteItem, local_plan
 from ._protocol import Exchanges, Status, describe
@@ -55,7 +56,7 @@ class SaveRequest:
     step: int | None = None
     copy: bool = False
     allow_pickle: bool = False
-    user_metadata: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+    user_metadata: UserMetadata = field(default_factory=dict)
     io: IOConfig = field(default_factory=IOConfig)
     # Collective-free saves: (rank, world size) of the part this process writes alone.
     part: tuple[int, int] | None = None

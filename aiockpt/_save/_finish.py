@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import get_args, get_type_hints
+from typing import cast, get_args, get_type_hints
 
 import anyio
 import crc32c
@@ -39,6 +39,28 @@ from ._write import WriteResult
 
 # A user metadata value as the manifest declares it, decoded as strictly as a load decodes a manifest.
 _METADATA_VALUE = msgspec.msgpack.Decoder(get_args(get_type_hints(Manifest)["user_metadata"])[1])
+
+
+UserMetadata = dict[str, str | int | float | bool | None]
+
+
+def metadata_of(metadata: object) -> UserMetadata:
+    """A copy of a save's ``metadata=`` argument, checked (see :func:`check_metadata`) as the call begins.
+
+    Checked before the save takes anything (a Checkpointer's in-flight slot, a handle): a bad argument
+    used to fail there, with a bare error, and keep the slot for good.
+
+    Raises:
+        StateError: ``metadata`` is neither ``None`` nor a mapping, or it holds a key or value that a
+            manifest cannot (named).
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise StateError(f"metadata must be a dict of str keys, or None, not {a_or_an(type_name(metadata))}")
+    copied = dict(metadata)
+    check_metadata(copied)
+    return cast("UserMetadata", copied)
 
 
 def check_metadata(metadata: Mapping[object, object]) -> None:
