@@ -8,6 +8,7 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -179,6 +180,9 @@ class SaveHandle:
         self._done = anyio.Event()
         self._metadata: Metadata | None = None
         self._error: BaseException | None = None
+        # The error's traceback as the save left it: raised again from there by every await, which would
+        # otherwise add its own frames to the one exception's traceback, each time more.
+        self._error_tb: TracebackType | None = None
         self._scope: anyio.CancelScope | None = None
         self._cancelled = False  # cancel() was called: a scope entered later starts cancelled
         self._background = False  # run in the loop's task group of background saves (see _runner)
@@ -232,7 +236,7 @@ class SaveHandle:
         if self._state is SaveState.CANCELLED:
             raise CheckpointCancelledError(f"the save to {self.path} was cancelled before it committed")
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(self._error_tb)
         assert self._metadata is not None
         return self._metadata
 
@@ -249,6 +253,7 @@ class SaveHandle:
         if self.done():
             return
         self._state, self._metadata, self._error = state, metadata, error
+        self._error_tb = error.__traceback__ if error is not None else None
         self.metrics.ended()
         self._done.set()
 

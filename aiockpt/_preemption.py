@@ -63,21 +63,23 @@ class Preemption:
     ) -> None:
         self.ckpt = ckpt
         self.final_save = final_save
-        self.signals = tuple(signals)
+        self.signals = tuple(dict.fromkeys(signals))  # once each: a second entry took the first for "before"
         self.cancel = cancel
         self.exit = exit
         self.requested = False
         self.signal: signal.Signals | None = None
-        self._scope = anyio.CancelScope()
+        # Made on entering (or by wait()), in a running loop: anyio's cannot be made outside one, and a
+        # Preemption may be made before the loop runs, as a Checkpointer may.
+        self._scope: anyio.CancelScope | None = None
         self._used = False  # entered before (the next entry starts afresh)
-        self._requested_event = anyio.Event()
+        self._requested_event: anyio.Event | None = None
         # Per signal, what handled it before: an asyncio handler of the loop, else Python's handler.
         self._before: dict[signal.Signals, tuple[asyncio.Handle | None, _Handler]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def wait(self) -> signal.Signals:
         """Wait until a signal is received; return it."""
-        await self._requested_event.wait()
+        await self._event().wait()
         assert self.signal is not None
         return self.signal
 
@@ -90,18 +92,23 @@ class Preemption:
         assert self._loop is not None  # (installed by __aenter__, which sets it)
         self._loop.call_soon_threadsafe(self._notify)
 
+    def _event(self) -> anyio.Event:
+        if self._requested_event is None:
+            self._requested_event = anyio.Event()
+        return self._requested_event
+
     def _notify(self) -> None:
-        self._requested_event.set()
-        if self.cancel:
+        self._event().set()
+        if self.cancel and self._scope is not None:
             self._scope.cancel()
 
     async def __aenter__(self) -> Preemption:
         if self._used:
             # Entered before: a cancel scope serves one block, and a signal the last block handled
             # must not end this one at once.
-            self._scope = anyio.CancelScope()
-            self._requested_event = anyio.Event()
+            self._requested_event = None
             self.requested, self.signal = False, None
+        self._scope = scope = anyio.CancelScope()
         loop = self._loop = asyncio.get_running_loop()
         # asyncio keeps its handlers in a private table: the only place to find an application's own.
         handlers: dict[int, asyncio.Handle] = getattr(loop, "_signal_handlers", {})
@@ -125,7 +132,7 @@ class Preemption:
         except BaseException:
             self._restore()  # those taken already (a signal that cannot be handled: SIGKILL, say)
             raise
-        self._scope.__enter__()
+        scope.__enter__()
         self._used = True
         return self
 
@@ -138,6 +145,7 @@ class Preemption:
         # The handlers stay until the final save is done: a repeated signal (Slurm sends SIGTERM again
         # at the time limit) is ignored meanwhile, where the default action would kill the process.
         try:
+            assert self._scope is not None  # (made by __aenter__)
             swallowed = bool(self._scope.__exit__(exc_type, exc, tb))
             if exc_type is not None and not swallowed:
                 return swallowed  # the block failed: its exception goes on

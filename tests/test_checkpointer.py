@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -37,6 +38,7 @@ from aiockpt import (
     CheckpointNotFoundError,
     SaveState,
     StateError,
+    StorageError,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -513,6 +515,27 @@ async def test_failed_save_changes_nothing(root: Path) -> None:
         # The slot was released: the next save goes through.
         await ckpt.save(state_for(2), step=2)
         assert ckpt.steps() == [1, 2]
+
+
+async def test_awaiting_a_failed_handle_again_raises_the_same_traceback(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each await raised the one stored exception anew, adding its frames to its traceback: three
+    awaits gave 10, 13 and 16 frames (and kept every frame's locals alive)."""
+
+    async def failing(*args: object) -> None:
+        raise StorageError("the disk went away")
+
+    monkeypatch.setattr(aiockpt._save, "commit", failing)
+    async with Checkpointer(root) as ckpt:
+        handle = await ckpt.save(state_for(1), step=1, async_op=True)
+        depths = []
+        for _ in range(3):
+            with pytest.raises(StorageError, match="the disk went away") as caught:
+                await handle
+            depths.append(len(traceback.extract_tb(caught.value.__traceback__)))
+        assert depths[0] == depths[1] == depths[2], depths
+        assert handle.state is SaveState.FAILED
 
 
 async def test_allow_pickle_checkpointer(root: Path) -> None:

@@ -798,6 +798,41 @@ async def test_preemption_gives_each_signal_back_to_its_handler_before(root: Pat
         signal.signal(signal.SIGUSR1, before)
 
 
+async def test_preemption_given_a_signal_twice_gives_it_back_to_its_handler_before(root: Path) -> None:
+    """The second entry of the signal took Preemption's own handler, just installed, for the one before
+    and put it back on leaving: the signal then raised in a handler of a Preemption long gone."""
+    got: list[int] = []
+    before = signal.signal(signal.SIGUSR1, lambda signum, _: got.append(signum))
+    try:
+        async with (
+            Checkpointer(root) as ckpt,
+            aiockpt.Preemption(ckpt, signals=(signal.SIGUSR1,) * 2, exit=False),
+        ):
+            pass
+        signal.raise_signal(signal.SIGUSR1)
+        assert got == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_a_preemption_can_be_made_before_the_event_loop_runs(root: Path) -> None:
+    """Its cancel scope and event were made at once, which anyio refuses outside a running loop
+    (NoEventLoopError); a Checkpointer can be made there, and both are then used in the loop."""
+    ckpt = Checkpointer(root)
+    preemption = aiockpt.Preemption(ckpt, exit=False)
+
+    async def main() -> None:
+        async with ckpt, preemption:
+            await ckpt.save({"w": torch.ones(4)}, step=1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            with anyio.fail_after(10):
+                assert await preemption.wait() is signal.SIGTERM
+
+    asyncio.run(main())
+    assert preemption.requested
+    assert ckpt.steps() == [1]
+
+
 async def test_preemption_with_cancel_cancels_the_block_and_returns(root: Path) -> None:
     async with Checkpointer(root, max_inflight=2) as ckpt:
         state = filled(3, 8 * MiB)
