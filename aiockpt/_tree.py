@@ -192,8 +192,9 @@ class Box:
     Attributes:
         shape: The global shape.
         offsets: The local shard's offset in each dimension.
-        replicated: Whether other ranks may hold this very box too (some placement is ``Replicate``); if
-            not, the box is this rank's alone.
+        replicated: Whether other ranks may hold this very box too, with the same values (written once);
+            if not, the box is this rank's alone. Always true of a DTensor's box: some placement may be
+            ``Replicate``, or its mesh one of several alike in the checkpoint's group.
     """
 
     shape: tuple[int, ...]
@@ -241,9 +242,20 @@ def shard_of(t: torch.Tensor, path: KeyPath) -> tuple[torch.Tensor, Box]:
             key=render(path),
         )
     local = t.to_local()  # type: ignore[attr-defined]
-    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)  # type: ignore[attr-defined]
-    replicated = any(p.is_replicate() for p in placements)
-    return local, Box(shape=tuple(t.shape), offsets=tuple(offsets), replicated=replicated)
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)  # type: ignore[attr-defined]
+    if tuple(shape) != tuple(local.shape):
+        # (DTensor.from_local(..., run_check=False) with shards of its own sizes:) the box would pair
+        # torch's offsets with other sizes, overlapping a neighbour's or leaving elements unwritten.
+        raise StateError(
+            f"cannot save DTensor at key {render(path)!r}: its local shard is {list(local.shape)}, where "
+            f"its placements {placements} over its mesh give {list(shape)}; redistribute it (or build it "
+            "with shards of the sizes torch gives them)",
+            key=render(path),
+        )
+    # Replicated, in that other ranks may hold this very box, and then with the same values: a Replicate
+    # placement, or a mesh that is a sub-mesh of the checkpoint's group (a tensor-parallel mesh inside each
+    # data-parallel replica). Such a box is written once.
+    return local, Box(shape=tuple(t.shape), offsets=tuple(offsets), replicated=True)
 
 
 def _tie_key(t: torch.Tensor, box: Box | None) -> tuple[object, ...]:

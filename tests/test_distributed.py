@@ -144,13 +144,16 @@ async def _save_2d(rank: int, world: int, path: str) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2, 2))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     base = torch.arange(6 * 10, dtype=torch.float32).reshape(6, 10)
     state = {
         "both": distribute_tensor(base, mesh, [Shard(0), Shard(1)]),
         "rows": distribute_tensor(base * 2, mesh, [Shard(0), Replicate()]),
         "repl": distribute_tensor(base * 3, mesh, [Replicate(), Replicate()]),
         "plain": base * 4,  # a plain tensor on every rank: replicated, written once
+        # Sharded over the tensor-parallel sub-mesh alone, alike in both data-parallel replicas: each
+        # box was written once per replica.
+        "tp_only": distribute_tensor(base * 5, mesh["tp"], [Shard(0)]),
     }
     meta = await aiockpt.save(state, path)
     return meta.nbytes
@@ -167,10 +170,11 @@ async def _load_2d_into_1d(rank: int, world: int, path: str) -> None:
         "rows": distribute_tensor(zeros, mesh, [Shard(0)]),
         "repl": distribute_tensor(zeros, mesh, [Shard(1)]),
         "plain": torch.zeros(6, 10),
+        "tp_only": distribute_tensor(zeros, mesh, [Shard(1)]),
     }
     await aiockpt.load(state, path)
     base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
-    for key, factor in (("both", 1), ("rows", 2), ("repl", 3)):
+    for key, factor in (("both", 1), ("rows", 2), ("repl", 3), ("tp_only", 5)):
         full = state[key].full_tensor()  # type: ignore[attr-defined]
         assert torch.equal(full, base * factor), key
     assert torch.equal(state["plain"], base * 4)  # type: ignore[arg-type]
@@ -179,11 +183,85 @@ async def _load_2d_into_1d(rank: int, world: int, path: str) -> None:
 def test_2d_mesh_writes_unique_bytes_once_and_reshards(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     nbytes = run_world(_save_2d, 4, tmp_path, path)
-    unique = 4 * 6 * 10 * 4
+    unique = 5 * 6 * 10 * 4
     assert nbytes == [unique] * 4
     on_disk = sum(f.stat().st_size for f in Path(path).glob("data-*.bin"))
     assert unique <= on_disk < unique + 4 * 4096  # alignment padding only
     run_world(_load_2d_into_1d, 2, tmp_path, path)
+
+
+async def _save_parts_a_load_would_refuse(rank: int, world: int, root: str, how: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(torch.arange(10.0), mesh, [Shard(0)])
+    if how == "dtensor_and_plain":  # the same values, a DTensor on rank 0 and a plain tensor on rank 1
+        whole = dt.full_tensor()
+        bad: object = dt if rank == 0 else whole
+    else:  # shards of 6 and 4 elements, where torch's split is 5 and 5
+        local = torch.arange(10.0)[:6] if rank == 0 else torch.arange(10.0)[6:]
+        bad = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=torch.Size((10,)), stride=(1,)
+        )
+    async with aiockpt.Checkpointer(root, keep_last=1) as ckpt:
+        await ckpt.save({"x": dt}, step=1)
+        try:
+            await ckpt.save({"x": bad}, step=2)
+        except aiockpt.CheckpointError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            error = "saved"
+        target = distribute_tensor(torch.zeros(10), mesh, [Shard(0)])
+        await ckpt.load({"x": target})  # step 1, still there
+        assert torch.equal(target.full_tensor(), torch.arange(10.0))
+        return [error, str(ckpt.steps())]
+
+
+@pytest.mark.parametrize("how", ["dtensor_and_plain", "own_shard_sizes"])
+def test_parts_of_a_tensor_that_a_load_would_refuse_fail_the_save_on_every_rank(
+    tmp_path: Path, how: str
+) -> None:
+    """Such saves were published (rank 0 said saved, retention deleted step 1, latest named step 2) and
+    every load refused them: the ranks' boxes of 'x' overlapped."""
+    root = tmp_path / "root"
+    results = run_world(_save_parts_a_load_would_refuse, 2, tmp_path, str(root), how, timeout=90)
+    for rank, (error, steps) in enumerate(results):
+        assert steps == "[1]", (rank, error)
+        assert error.startswith(("StateError", "DistributedError")), (rank, error)
+    first = results[0][0]
+    if how == "dtensor_and_plain":
+        assert "ranks 0 and 1 hold overlapping parts of tensor 'x'" in first
+        assert all(r[0].startswith("StateError") for r in results)  # every rank makes the same plan
+    else:
+        assert "DTensor at key 'x': its local shard is [6]" in first
+    assert (root / "latest").read_text().strip() == "step-00000001"
+
+
+async def _save_with_a_group_of_others(rank: int, world: int, root: str) -> list[str]:
+    group = dist.new_group([1])  # (every rank makes it; rank 0 is not in it)
+    errors = []
+    if rank == 0:
+        for call in (
+            lambda: aiockpt.save({"w": torch.ones(2)}, f"{root}/one", process_group=group),
+            lambda: aiockpt.save(
+                {"w": torch.ones(2)}, f"{root}/two", process_group=group, use_collectives=False
+            ),
+            lambda: aiockpt.Checkpointer(f"{root}/ckpts", process_group=group).open(),
+        ):
+            try:
+                await call()
+            except aiockpt.CheckpointError as exc:
+                errors.append(str(exc))
+    return errors
+
+
+def test_a_process_outside_the_group_it_passes_is_told_so(tmp_path: Path) -> None:
+    """``dist.new_group`` gives a non-member a placeholder (an int), which failed with an AttributeError."""
+    errors, _ = run_world(_save_with_a_group_of_others, 2, tmp_path, str(tmp_path), timeout=60)
+    assert len(errors) == 3
+    assert all("this process (global rank 0) is not a member of the process_group" in e for e in errors)
+    assert not any((tmp_path / name).exists() for name in ("one", "two"))
 
 
 async def _fail_in_write(rank: int, world: int, path: str, how: str) -> str:

@@ -12,13 +12,19 @@ from aiockpt._save._local_plan import LocalPlan, WriteItem
 
 
 def item(
-    name: str, nbytes: int, *, replicated: bool = True, offsets: int = 0, size: int | None = None
+    name: str,
+    nbytes: int,
+    *,
+    replicated: bool = True,
+    offsets: int = 0,
+    size: int | None = None,
+    shards: int = 4,
 ) -> WriteItem:
     n = size if size is not None else nbytes
     return WriteItem(
         path=(name,),
         dtype="uint8",
-        shape=(n if replicated else 4 * n,),
+        shape=(n if replicated else shards * n,),
         offsets=(offsets,),
         sizes=(n,),
         nbytes=nbytes,
@@ -73,10 +79,10 @@ def test_each_rank_writes_in_its_item_order_when_shards_and_replicas_mix() -> No
             rank=r,
             items=(
                 item("r0", 100),
-                item("s", 8, replicated=False, offsets=8 * r, size=8),
+                item("s", 8, replicated=False, offsets=8 * r, size=8, shards=2),
                 item("r1", 50),
                 item("r2", 30),
-                item("t", 8, replicated=False, offsets=8 * r, size=8),
+                item("t", 8, replicated=False, offsets=8 * r, size=8, shards=2),
             ),
         )
         for r in range(2)
@@ -89,6 +95,73 @@ def test_each_rank_writes_in_its_item_order_when_shards_and_replicas_mix() -> No
         offsets = [w.offset for w in rank_plan.writes]
         assert offsets == sorted(offsets)
     assert sorted(w.item for r in plan.ranks for w in r.writes) == [0, 1, 1, 2, 3, 4, 4]
+
+
+@pytest.mark.parametrize(
+    ("boxes", "message"),
+    [
+        # Rank 0 holds a DTensor's shard, rank 1 the whole tensor as a plain one.
+        pytest.param(
+            [(0, 4, False), (0, 8, True)], r"ranks 0 and 1 hold overlapping parts of tensor 'w'", id="overlap"
+        ),
+        # DTensor.from_local(run_check=False), shards of 6 and 4 rows of 10 at torch's offsets 0 and 5.
+        pytest.param([(0, 6, False), (5, 4, False)], r"ranks 0 and 1 hold overlapping parts", id="uneven"),
+        pytest.param(
+            [(0, 5, False), (7, 5, False)], r"rank 1's part of tensor 'w', the box \[7\]", id="outside"
+        ),
+    ],
+)
+def test_ranks_whose_parts_of_a_tensor_a_load_would_refuse_are_named(
+    boxes: list[tuple[int, int, bool]], message: str
+) -> None:
+    """Such a save was published (rank 0 reported it saved, retention deleted the step before it) and every
+    load refused it: boxes overlapping, or outside the tensor, in a collective checkpoint."""
+    plans = [
+        LocalPlan(
+            rank=r,
+            items=(
+                WriteItem(
+                    path=("w",),
+                    dtype="uint8",
+                    shape=(10,),
+                    offsets=(o,),
+                    sizes=(n,),
+                    nbytes=n,
+                    replicated=rep,
+                ),
+            ),
+        )
+        for r, (o, n, rep) in enumerate(boxes)
+    ]
+    with pytest.raises(StateError, match=message) as caught:
+        global_plan(plans)
+    assert caught.value.key == "w"
+
+
+def test_a_box_several_ranks_hold_is_written_once() -> None:
+    """A DTensor sharded over a tensor-parallel sub-mesh, alike in two data-parallel replicas (ranks 0-1
+    and 2-3): its boxes were written once per replica."""
+    plans = [
+        LocalPlan(
+            rank=r,
+            items=(
+                WriteItem(
+                    path=("w",),
+                    dtype="uint8",
+                    shape=(8,),
+                    offsets=(4 * (r % 2),),
+                    sizes=(4,),
+                    nbytes=4,
+                    replicated=True,
+                ),
+            ),
+        )
+        for r in range(4)
+    ]
+    plan = global_plan(plans)
+    (entry,) = plan.tensors
+    assert sorted(c.offsets for c in entry.chunks) == [(0,), (4,)]
+    assert sum(len(r.writes) for r in plan.ranks) == 2
 
 
 def test_ranks_disagreeing_on_a_tensor_are_named() -> None:

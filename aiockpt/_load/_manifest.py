@@ -409,7 +409,7 @@ class _Entries:
             # A save writes each box of a tensor once, and no two overlap: a load counts the elements its
             # chunks hold to decide that they cover its target, which overlapping boxes would fool (rows
             # 0-1 and 1-2 of a 4-row tensor count as all of it, and row 3 is never read).
-            found = _overlapping(list({(c.offsets, c.sizes) for c in entry.chunks}))
+            found = overlapping(list({(c.offsets, c.sizes) for c in entry.chunks}))
             if found is not None:
                 (a, b) = found
                 return f"chunk boxes {list(a[0])} + {list(a[1])} and {list(b[0])} + {list(b[1])} overlap"
@@ -796,7 +796,7 @@ class _Merged:
         if whole in self.boxes:
             first = self.boxes[whole][0]  # the others hold nothing it lacks
             return tuple(self.copies) if every_copy else (first,)
-        found = _overlapping(list(self.boxes))
+        found = overlapping(list(self.boxes))
         if found is not None:
             (a, b), key = found, render(self.entry.path)
             raise FormatError(
@@ -808,7 +808,7 @@ class _Merged:
         return tuple(self.copies) if every_copy else tuple(c for c, _ in self.boxes.values())
 
 
-def _overlapping(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
+def overlapping(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
     """Two of ``boxes`` (all different) that share an element, or ``None``.
 
     A sweep along the first dimension: a box is compared only with those whose rows it meets (shards of

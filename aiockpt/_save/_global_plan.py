@@ -15,6 +15,7 @@ import msgspec
 from .._errors import StateError
 from .._format import Chunk, KeyPath, TensorEntry, data_file_name
 from .._gc import collect_young
+from .._load._manifest import box_inside, overlapping
 from .._threads import OFFER_ITEMS, dismantle, yield_gil
 from .._tree import render
 from ._local_plan import LocalPlan, WriteItem
@@ -67,6 +68,36 @@ def _append(writes: list[tuple[int, int]], j: int, t: int) -> bool:
     return late
 
 
+def _check_boxes(item: WriteItem, boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], int]) -> None:
+    """Refuse a tensor whose chunks (distinct ``boxes``, each with a rank writing it) a load would refuse.
+
+    Each box must lie inside the tensor and none overlap another (they need not hold every element: a
+    save over a sub-group of a DTensor's mesh holds the shards of its ranks). Every rank makes the same
+    plan, so every rank refuses it before a byte is written; the checkpoint was published otherwise, and
+    refused by every load.
+
+    Raises:
+        StateError: Names the key and the ranks.
+    """
+    key = render(item.path)
+    for (offsets, sizes), rank in boxes.items():
+        if not box_inside(offsets, sizes, item.shape):
+            raise StateError(
+                f"rank {rank}'s part of tensor {key!r}, the box {list(offsets)} + {list(sizes)}, is not "
+                f"inside its shape {list(item.shape)}",
+                key=key,
+            )
+    found = overlapping(list(boxes))
+    if found is not None:
+        a, b = found
+        raise StateError(
+            f"ranks {boxes[a]} and {boxes[b]} hold overlapping parts of tensor {key!r}: the boxes "
+            f"{list(a[0])} + {list(a[1])} and {list(b[0])} + {list(b[1])} (a DTensor on one rank and a "
+            "plain tensor on the other?)",
+            key=key,
+        )
+
+
 def global_plan(
     plans: Sequence[LocalPlan],
     own: Sequence[frozenset[int]] = (),
@@ -86,8 +117,9 @@ def global_plan(
     into every data file's name (see :func:`~aiockpt._format.data_file_name`).
 
     Raises:
-        StateError: Ranks disagree on a tensor's dtype or global shape, naming the key and the ranks, or
-            a rank holds a tensor that rank 0 does not.
+        StateError: Ranks disagree on a tensor's dtype or global shape, naming the key and the ranks, a
+            rank holds a tensor that rank 0 does not, or the ranks' parts of a tensor overlap or lie
+            outside it (naming the key and the ranks).
     """
     world = len(plans)
     assert all(p.rank == r for r, p in enumerate(plans)), "local plans must be in rank order"
@@ -175,6 +207,9 @@ def global_plan(
         unsorted[rank] |= _append(per_rank[rank], j, t)
 
     chunks: list[list[Chunk]] = [[] for _ in first]
+    # Of each tensor written in several chunks, its distinct boxes and the rank writing each.
+    parts: dict[int, dict[tuple[tuple[int, ...], tuple[int, ...]], int]] = {}
+    first_writer = [0] * len(first)  # the rank writing each tensor's first chunk
     rank_plans = []
     for rank, assigned in enumerate(per_rank):
         # File order follows the rank's item order: sequential reads of a whole state. Usually the list
@@ -193,6 +228,11 @@ def global_plan(
             a = PAGE if nbytes >= LARGE else SMALL_ALIGN
             pos = -(-pos // a) * a
             held = chunks[t]
+            if not held:
+                first_writer[t] = rank
+            else:
+                boxes = parts.setdefault(t, {(held[0].offsets, held[0].sizes): first_writer[t]})
+                boxes.setdefault((item.offsets, item.sizes), rank)
             writes.append(WriteAssignment(item=j, offset=pos, tensor=t, chunk=len(held)))
             held.append(
                 Chunk(
@@ -201,6 +241,8 @@ def global_plan(
             )
             pos += nbytes
         rank_plans.append(RankPlan(rank=rank, file=file, nbytes=pos, writes=tuple(writes)))
+    for t, boxes in parts.items():
+        _check_boxes(first[t], boxes)
 
     collect_young()  # ``first`` and the ranks' writes, made whole without setting off a collection
     # From a list: a tuple grown from a generator is tracked anew by the garbage collector at each resize,
@@ -212,7 +254,7 @@ def global_plan(
         ]
     )
     # The indexes above hold a few objects per chunk: freed in slices rather than in one stall at return.
-    box: list[object] = [tensor_index, per_rank, holders, shared, chunks]
-    del tensor_index, per_rank, holders, shared, chunks
+    box: list[object] = [tensor_index, per_rank, holders, shared, chunks, parts, first_writer]
+    del tensor_index, per_rank, holders, shared, chunks, parts, first_writer
     dismantle(box)
     return GlobalPlan(ranks=tuple(rank_plans), tensors=tensors, own=tuple(owned))
