@@ -185,6 +185,18 @@ FORGED: dict[str, tuple[Callable[[Manifest], Manifest], str]] = {
         lambda m: msgspec.structs.replace(m, files=(FileInfo(name="..", nbytes=0),)),
         "data file",
     ),
+    # A read kept the last value of the key: the other was dropped without a word.
+    "a key listed twice": (
+        lambda m: msgspec.structs.replace(
+            m, tree=DictNode(keys=(*m.tree.keys[:-1], m.tree.keys[0]), values=m.tree.values)
+        ),
+        "twice",
+    ),
+    # Chunks over the same bytes let a small checkpoint claim any size (see the amplification test).
+    "two tensors over the same bytes": (
+        lambda m: _with_chunk(m, "i", offset=m.tensors[_entry(m, "w")].chunks[0].offset),
+        "chunks over the same bytes of data-r00000.bin",
+    ),
 }
 
 
@@ -263,7 +275,8 @@ async def test_a_huge_tensor_whose_data_file_is_short_is_refused_before_it_is_al
     m = await _saved(ckpt_path)
     n = 1 << 40
     block = 1 << 40
-    chunk = Chunk(offsets=(0,), sizes=(n,), file="data-r00000.bin", offset=0, nbytes=n, checksums=(0,))
+    # (Past the file's end: over another tensor's bytes, it is refused as soon as the manifest is read.)
+    chunk = Chunk(offsets=(0,), sizes=(n,), file="data-r00000.bin", offset=1 << 20, nbytes=n, checksums=(0,))
     entry = TensorEntry(path=("huge",), dtype="uint8", shape=(n,), chunks=(chunk,))
     _forge(ckpt_path, _with_tensor(m, entry, checksum_block=block))
     with pytest.raises(aiockpt.CorruptionError, match="data file is truncated") as info:
@@ -281,7 +294,8 @@ async def test_a_fresh_tensor_its_chunks_cannot_fill_is_refused_before_it_is_all
 ) -> None:
     # The chunk lies inside the file, but holds a sliver of a tensor of 64 GiB.
     m = await _saved(ckpt_path)
-    chunk = Chunk(offsets=(0, 0), sizes=(1, 4), file="data-r00000.bin", offset=0, nbytes=16, checksums=(0,))
+    # (Bytes 48-64 of the file: the padding after 'w', in no other chunk.)
+    chunk = Chunk(offsets=(0, 0), sizes=(1, 4), file="data-r00000.bin", offset=48, nbytes=16, checksums=(0,))
     entry = TensorEntry(path=("big",), dtype="float32", shape=(1 << 22, 1 << 12), chunks=(chunk,))
     _forge(ckpt_path, _with_tensor(m, entry))
     with pytest.raises(aiockpt.CorruptionError, match="does not hold all of key 'big'"):
@@ -310,7 +324,8 @@ def test_many_small_overlapping_chunks_are_decided_without_a_search_of_hours() -
         _uncovered((0, 0, 0), (128, 128, 128), [*cubes, ((0, 0, 0), (128, 128, 127))])
 
 
-async def test_many_overlapping_small_chunks_are_a_corruption_error(ckpt_path: Path) -> None:
+async def test_many_small_chunks_over_the_same_bytes_are_refused(ckpt_path: Path) -> None:
+    """Boxes of one element each, all over the same 8 bytes of the file, their checksum right."""
     m = await _saved(ckpt_path)
     stored = m.tensors[_entry(m, "i")].chunks[0]
     cell = 8  # one int64 element, at the start of the tensor's own bytes (checksummed below)
@@ -334,8 +349,22 @@ async def test_many_overlapping_small_chunks_are_a_corruption_error(ckpt_path: P
     _forge(ckpt_path, forged)
     target = _template()
     target["i"] = torch.zeros(shape, dtype=torch.int64)
-    with pytest.raises(aiockpt.CorruptionError, match=r"overlap too intricately|does not hold all"):
+    with pytest.raises(aiockpt.FormatError, match=r"tensor 'i': chunks over the same bytes of data-r00000"):
         await aiockpt.load(target, ckpt_path)
+
+
+async def test_a_tensor_claiming_more_than_its_file_holds_through_shared_bytes_is_refused(
+    ckpt_path: Path,
+) -> None:
+    """Every row's chunk the same bytes of the file, with the right checksum: with 4,096 rows of 4 MiB, a
+    read of a checkpoint of 4 MiB allocated (and filled) 16 GiB, and verify called it healthy."""
+    m = await _saved(ckpt_path)
+    stored = m.tensors[_entry(m, "i")].chunks[0]
+    row = stored.nbytes  # one row: the tensor's own bytes, at its own offset
+    rows = 4096
+    chunks = tuple(msgspec.structs.replace(stored, offsets=(r, 0), sizes=(1, row // 8)) for r in range(rows))
+    _forge(ckpt_path, _with_entry(m, "i", shape=(rows, row // 8), chunks=chunks))
+    await _every_reader_refuses(ckpt_path, aiockpt.FormatError, MANIFEST_NAME, "chunks over the same bytes")
 
 
 async def test_random_forged_manifests_never_escape_as_raw_errors(ckpt_path: Path) -> None:

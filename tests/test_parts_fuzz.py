@@ -167,13 +167,20 @@ async def test_a_part_saved_with_a_smaller_checksum_block_is_refused_not_an_inde
         await aiockpt.verify(step)
 
 
+def _elsewhere(entry: TensorEntry) -> TensorEntry:
+    """``entry`` with its chunks moved past its file's end: the copy of an entry over the same bytes is
+    refused before the merge sees it (see ``_load._manifest._shared_bytes``)."""
+    chunks = tuple(msgspec.structs.replace(c, offset=c.offset + (1 << 20)) for c in entry.chunks)
+    return msgspec.structs.replace(entry, chunks=chunks)
+
+
 async def test_a_part_entry_listed_twice_is_refused_not_an_index_error(tmp_path: Path) -> None:
     # Rank 0's first entry listed again at index 1 (the tree's indices past it shifted): the merge, by key
     # path, folded the two into one, and rank 0's tree then indexed past the merged tensors (IndexError).
     step = tmp_path / "step-00000005"
     parts = await _parts(step, 2)
     m = _manifest(parts[0])
-    tensors = (m.tensors[0], *m.tensors)
+    tensors = (_elsewhere(m.tensors[0]), *m.tensors)
     values = tuple(TensorNode(index=v.index + 1) if isinstance(v, TensorNode) else v for v in m.tree.values)
     _forge(parts[0], tensors=tensors, tree=msgspec.structs.replace(m.tree, values=values))
     await _every_reader_refuses(
@@ -187,7 +194,7 @@ async def test_a_part_entry_under_another_key_is_refused(tmp_path: Path) -> None
     parts = await _parts(step, 2)
     m = _manifest(parts[1])
     (w,) = [t for t in m.tensors if t.path == ("w",)]
-    extra = msgspec.structs.replace(w, path=("extra",))
+    extra = _elsewhere(msgspec.structs.replace(w, path=("extra",)))
     tree = DictNode(keys=(*m.tree.keys, "extra"), values=(*m.tree.values, TensorNode(index=len(m.tensors))))
     # 'w' and 'extra' swap entries: each is at the other's key path.
     tensors = (*(extra if t.path == ("w",) else t for t in m.tensors), w)
@@ -294,7 +301,7 @@ async def test_a_huge_fresh_tensor_on_object_storage_is_refused_before_it_is_all
     m = await read_manifest(location)
     n = 1 << 40
     name = m.tensors[0].chunks[0].file  # (on a store, named with the save's token)
-    chunk = Chunk(offsets=(0,), sizes=(n,), file=name, offset=0, nbytes=n, checksums=(0,))
+    chunk = Chunk(offsets=(0,), sizes=(n,), file=name, offset=1 << 20, nbytes=n, checksums=(0,))
     entry = TensorEntry(path=("huge",), dtype="uint8", shape=(n,), chunks=(chunk,))
     tree = DictNode(keys=(*m.tree.keys, "huge"), values=(*m.tree.values, TensorNode(index=len(m.tensors))))
     forged = msgspec.structs.replace(m, tensors=(*m.tensors, entry), tree=tree, checksum_block=n)

@@ -6,7 +6,7 @@ import itertools
 import math
 import os
 import stat
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 
 import crc32c
@@ -212,6 +212,36 @@ def check_manifest(manifest: Manifest, file: str) -> None:
     if found is not None:
         entry, problem = found
         raise bad(f"tensor {render(entry.path)!r}: {problem}")
+    shared = _shared_bytes(manifest.tensors)
+    if shared is not None:
+        a, b, name = shared
+        whose = (
+            f"tensor {render(a.path)!r}" if a is b else f"tensors {render(a.path)!r} and {render(b.path)!r}"
+        )
+        raise bad(f"{whose}: chunks over the same bytes of {name}")
+
+
+def _shared_bytes(tensors: Sequence[TensorEntry]) -> tuple[TensorEntry, TensorEntry, str] | None:
+    """Two entries with chunks over some of the same bytes of a data file (and the file), or ``None``.
+
+    No save writes two chunks over the same bytes (a tie is one entry, a replicated box one chunk). A
+    manifest that does can make a small checkpoint claim any size: 4,096 rows of a 16 GiB tensor, every
+    one the same 4 MiB of its file, each with the right checksum, and a read allocated all 16 GiB.
+    """
+    by_file: dict[str, list[tuple[int, int, int]]] = {}  # file -> (offset, end, entry) of each chunk
+    for i, entry in enumerate(tensors):
+        for c in entry.chunks:
+            if c.nbytes:
+                by_file.setdefault(c.file, []).append((c.offset, c.offset + c.nbytes, i))
+    for name, ranges in by_file.items():
+        ranges.sort()  # (a save lists a file's chunks in file order: one pass over them)
+        end, holder = -1, 0
+        for start, stop, i in ranges:
+            if start < end:
+                return tensors[holder], tensors[i], name
+            if stop > end:
+                end, holder = stop, i
+    return None
 
 
 def _plain_name(name: str) -> bool:
@@ -264,6 +294,12 @@ def _check_tree(manifest: Manifest, bad: Callable[[str], FormatError]) -> None:
                 raise bad(
                     f"the dict at key {render(path)!r} has {len(node.keys)} keys, {len(node.values)} values"
                 )
+            if len(set(node.keys)) != len(node.keys):  # (a read would keep the last value of a key)
+                seen: set[Key] = set()
+                for key in node.keys:
+                    if key in seen:
+                        raise bad(f"the dict at key {render(path)!r} lists key {key!r} twice")
+                    seen.add(key)
             children: Iterable[tuple[Key, Node]] = zip(node.keys, node.values, strict=True)
             sequence = False
         elif isinstance(node, (ListNode, TupleNode)):
