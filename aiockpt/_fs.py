@@ -13,6 +13,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
 import shutil
 import stat
 import time
@@ -65,12 +66,24 @@ _AT_EMPTY_PATH = 0x1000
 _CANNOT_LINK = (errno.EPERM, errno.EACCES, errno.ENOENT, errno.EXDEV, errno.EOPNOTSUPP, errno.EINVAL)
 
 
+# aiockpt's own temp names: ``.tmp-<name>-<hex>`` (a save's or a conversion's directory, 12 hex digits; a
+# deletion's, 8; a file replaced durably, 32), each with its owner lock (``.lock``, or under its private
+# name ``.lock.<32 hex>`` until renamed). Other ``.tmp-`` names in a root are another program's.
+_TEMP_RE = re.compile(r"\.tmp-.+-(?:[0-9a-f]{8}|[0-9a-f]{12}|[0-9a-f]{32})(?:\.lock(?:\.[0-9a-f]{32})?)?")
+
+
+def is_temp(name: str) -> bool:
+    """Whether ``name`` is one of aiockpt's temp names (see :func:`collect_garbage`)."""
+    return _TEMP_RE.fullmatch(name) is not None
+
+
 def temp_name(name: str, unique: str) -> str:
     """The name ``.tmp-<name>-<unique>`` of temp data for ``name``, ``name`` cut short where it must be.
 
     Cut (at a character) so that the temp name, and its owner lock's names, fit in :data:`NAME_MAX`
-    bytes: a name that fits itself may be saved to. Only the prefix marks temp data (see
-    :func:`collect_garbage`) and ``unique`` keeps temp names apart; the name is there for people.
+    bytes: a name that fits itself may be saved to. The prefix and ``unique`` (hex digits, see
+    :func:`is_temp`) mark temp data for :func:`collect_garbage` and keep temp names apart; the name is
+    there for people.
     """
     room = NAME_MAX - _LOCK_ROOM - len(TMP_PREFIX) - 1 - len(unique)
     cut = name[:room]  # every character takes a byte or more
@@ -432,7 +445,8 @@ def collect_garbage(root: Path, *, stale_after: float = 60.0, dry_run: bool = Fa
     """
     removed: list[Path] = []
     try:
-        entries = [e for e in root.iterdir() if e.name.startswith(TMP_PREFIX)]
+        # aiockpt's own alone: a root may hold another program's ``.tmp-`` data (a build cache, say).
+        entries = [e for e in root.iterdir() if is_temp(e.name)]
     except FileNotFoundError:
         return removed
     now = time.time()

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -436,6 +437,50 @@ def test_prune_goes_on_where_latest_cannot_be_read(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "latest cannot be read (Is a directory): ignored" in done.stderr
     assert [n for n in listdir(root) if n.startswith("step-")] == ["step-00000003"]
+
+
+def test_prune_and_a_checkpointer_leave_another_programs_temp_data_alone(tmp_path: Path) -> None:
+    """Every ``.tmp-`` entry of the root was taken for a crashed save's: a build cache there (or in the
+    parent of the real root, pruned by mistake) was deleted."""
+    root = tmp_path / "run"
+    _save_steps(root, [1, 2])
+    foreign = [root / ".tmp-build-cache", root / ".tmp-notes.txt", root / ".tmp-x-123"]
+    foreign[0].mkdir()
+    (foreign[0] / "blob").write_bytes(b"x" * 9)
+    foreign[1].write_text("mine")
+    foreign[2].write_text("mine too")
+    old = time.time() - 3600
+    for path in foreign:
+        os.utime(path, (old, old))
+    crashed = root / ".tmp-step-00000003-0123456789ab"
+    crashed.mkdir()
+    done = cli("prune", "--json", root, "--keep-last", "5")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["removed_temp"] == [crashed.name]
+    assert all(path.exists() for path in foreign)
+    with sync.Checkpointer(root) as ckpt:  # its garbage collection, on opening the root
+        assert ckpt.steps() == [1, 2]
+    assert all(path.exists() for path in foreign)
+    assert (foreign[0] / "blob").read_bytes() == b"x" * 9
+
+
+def test_prune_keeps_a_damaged_newest_step_without_counting_it(tmp_path: Path) -> None:
+    """``--keep-last 1`` kept step 3, whose manifest was damaged, and deleted the healthy 1 and 2: nothing
+    loadable was left."""
+    root = tmp_path / "run"
+    _save_steps(root, [1, 2, 3])
+    manifest = root / "step-00000003" / "manifest.msgpack"
+    data = bytearray(manifest.read_bytes())
+    data[-5] ^= 0xFF
+    manifest.write_bytes(bytes(data))
+    done = cli("prune", "--json", root, "--keep-last", "1")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["deleted_steps"] == [1]
+    assert doc["kept_steps"] == [2, 3]
+    assert doc["damaged_steps"] == [3]
+    assert "step-00000003 is kept, not counted in --keep-last" in done.stderr
+    assert torch.equal(sync.read(root / "step-00000002")["emb"], _state(2)["emb"])  # type: ignore[arg-type]
 
 
 # --- convert --------------------------------------------------------------------------------------------

@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from .._checkpointer import collect_temp, delete_steps, doomed_steps, latest_of, scan_steps, step_dir_name
-from .._errors import CheckpointNotFoundError
-from .._load import is_checkpoint
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._load import is_checkpoint, read_manifest
 from .._storage import local
 from ._common import disk_usage, human_bytes, json_option, print_json
 
 SCHEMA = "aiockpt.prune/1"
+
+
+def _damaged_newest(directory: Path, steps: list[int], keep_last: int) -> dict[int, str]:
+    """The newest ``steps`` whose manifest cannot be read, down to the ``keep_last``-th readable one.
+
+    Counted in ``--keep-last``, a damaged newest step left nothing loadable: the healthy ones went.
+
+    Returns:
+        Each such step, with why its manifest cannot be read.
+    """
+    damaged: dict[int, str] = {}
+    readable = 0
+    for step in reversed(steps):
+        if readable == keep_last:
+            break
+        try:
+            read_manifest(directory / step_dir_name(step))
+        except CheckpointError as exc:
+            damaged[step] = str(exc)
+        else:
+            readable += 1
+    return damaged
 
 
 @click.command("prune", short_help="Delete old steps and temp data of crashed saves.")
@@ -29,7 +53,8 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
     Applies the retention of `Checkpointer(keep_last=N, keep_every=K)`: the newest N steps and every
     step divisible by K stay (so the newest step always does, and so does the one `latest` names).
     Temp data goes only once its writer is gone: saves running in other processes are safe. That
-    includes the temp parts that ranks of a collective-free job left inside step directories.
+    includes the temp parts that ranks of a collective-free job left inside step directories. A newest
+    step whose manifest is damaged is kept and not counted: the N kept are N readable ones.
     """
     directory = local(root, "the aiockpt command line")
     if not directory.is_dir():
@@ -44,8 +69,12 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
         reason = exc.strerror or exc
         click.echo(f"aiockpt: {directory / 'latest'} cannot be read ({reason}): ignored", err=True)
         latest = None
+    damaged = _damaged_newest(directory, steps, keep_last)
+    for step, why in damaged.items():
+        click.echo(f"aiockpt: {step_dir_name(step)} is kept, not counted in --keep-last: {why}", err=True)
+    counted = [s for s in steps if s not in damaged]
     doomed = doomed_steps(
-        steps, keep_last=keep_last, keep_every=keep_every, protect=() if latest is None else (latest,)
+        counted, keep_last=keep_last, keep_every=keep_every, protect=() if latest is None else (latest,)
     )
     sizes = {s: disk_usage(directory / step_dir_name(s)) for s in doomed}
     # Temp data inside a doomed step goes with the step (and its size with the step's).
@@ -66,6 +95,7 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
                 "deleted_steps": doomed,
                 "removed_temp": [str(p.relative_to(directory)) for p in garbage],
                 "kept_steps": kept,
+                "damaged_steps": sorted(damaged),
                 "freed_nbytes": freed,
             }
         )
