@@ -164,6 +164,54 @@ async def test_truncated_legacy_torch_file_is_a_corruption_error(tmp_path: Path)
     assert info.value.file == str(path)
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # (torch.load's, for protocols other than 2)
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+async def test_legacy_torch_files_of_every_pickle_protocol_are_read(tmp_path: Path, protocol: int) -> None:
+    """Only protocol 2's magic number was recognised: torch.save(..., pickle_protocol=3, 4 or 5) files
+    were "not an aiockpt checkpoint: it is not a directory"."""
+    path = tmp_path / "legacy.pt"
+    state = {"w": torch.arange(6.0).reshape(2, 3), "step": 7}
+    torch.save(state, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    # torch.load(weights_only=True) knows no FRAME opcode (protocols 4 and 5 frame their pickles), so
+    # those files need allow_pickle=True, as they need weights_only=False in torch.load.
+    got = await aiockpt.read(path, allow_pickle=protocol >= 4)
+    assert torch.equal(got["w"], state["w"])  # type: ignore[arg-type]
+    assert got["step"] == 7
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("protocol", [2, 3])
+async def test_a_legacy_torch_file_cut_anywhere_is_damage(tmp_path: Path, protocol: int) -> None:
+    """Cut in its pickles, it gave a FormatError ("index out of range", "unpack requires a buffer"), or a
+    StateError that told the user to pass allow_pickle=True for a file that was merely truncated."""
+    whole = tmp_path / "whole.pt"
+    torch.save({"w": torch.ones(100)}, whole, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    data = whole.read_bytes()
+    path = tmp_path / "cut.pt"
+    seen: dict[int, str] = {}
+    for n in range(30, len(data), 7):
+        path.write_bytes(data[:n])
+        for allow_pickle in (False, True):
+            try:
+                await aiockpt.read(path, allow_pickle=allow_pickle)
+            except aiockpt.CheckpointError as exc:
+                if not isinstance(exc, aiockpt.CorruptionError) or exc.file != str(path):
+                    seen[n] = f"{type(exc).__name__}: {exc}"
+            else:
+                seen[n] = "read"
+    assert seen == {}
+
+
+async def test_a_truncated_dcp_metadata_file_is_damage(tmp_path: Path) -> None:
+    """It was a FormatError ("is not readable DCP metadata: pickle data was truncated"), exit 2."""
+    _dcp_save({"w": torch.ones(4)}, tmp_path / "d")
+    metadata = tmp_path / "d" / ".metadata"
+    os.truncate(metadata, metadata.stat().st_size // 2)
+    with pytest.raises(aiockpt.CorruptionError, match="ends early") as info:
+        await aiockpt.read(tmp_path / "d")
+    assert info.value.file == str(metadata)
+
+
 async def test_a_zip_that_is_no_torch_file_is_still_a_format_error(tmp_path: Path) -> None:
     import zipfile
 

@@ -109,6 +109,7 @@ def read_metadata(directory: Path, *, allow_pickle: bool) -> Any:
     """Decode ``directory/.metadata`` (restricted unless ``allow_pickle``). Blocking.
 
     Raises:
+        CorruptionError: The file's pickle ends early (truncated).
         FormatError: The file refers to a class DCP metadata never holds, or is not DCP metadata.
         StorageError: The file cannot be read.
     """
@@ -124,6 +125,10 @@ def read_metadata(directory: Path, *, allow_pickle: bool) -> Any:
     except FormatError:
         raise
     except Exception as exc:
+        if isinstance(exc, EOFError) or "truncated" in str(exc):  # (Python's words for a pickle cut short)
+            raise CorruptionError(
+                f"{file} is damaged: its pickle ends early (truncated?)", file=str(file)
+            ) from exc
         raise FormatError(f"{file} is not readable DCP metadata: {exc}", file=str(file)) from exc
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise FormatError(f"{file} holds {a_or_an(type(md).__name__)}, not DCP Metadata", file=str(file))

@@ -23,6 +23,7 @@ import mmap
 import os
 import pickle
 import re
+import struct
 import sys
 import zipfile
 import zlib
@@ -46,17 +47,31 @@ from ._torchblob import Record, stored_records
 
 # A torch.save file is a zip archive, or (legacy format) a pickle opening with torch's magic number.
 _ZIP_MAGIC = b"PK\x03\x04"
-_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+# torch's magic number as the legacy format pickles it first: a LONG1 of 10 bytes. Before it, the pickle's
+# PROTO opcode (protocols 2 to 5: torch.save's pickle_protocol) and, from protocol 4, maybe a FRAME opcode
+# with its 8-byte length.
+_MAGIC_LONG = b"\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+_HEAD = 2 + 9 + len(_MAGIC_LONG)
+
+
+def _starts_legacy(head: bytes) -> bool:
+    """Whether ``head`` (a file's first :data:`_HEAD` bytes) starts a legacy ``torch.save`` file."""
+    if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+        return False
+    rest = head[2:]
+    if head[1] >= 4 and rest[:1] == b"\x95":
+        rest = rest[9:]
+    return rest.startswith(_MAGIC_LONG)
 
 
 def is_torch_file(path: Path) -> bool:
     """Whether the regular file ``path`` starts like a ``torch.save`` file. Blocking."""
     try:
         with open(open_regular(path), "rb") as f:  # (a FIFO swapped in since detection would block open)
-            head = f.read(len(_LEGACY_MAGIC))
+            head = f.read(_HEAD)
     except OSError:
         return False
-    return head.startswith(_ZIP_MAGIC) or head == _LEGACY_MAGIC
+    return head.startswith(_ZIP_MAGIC) or _starts_legacy(head)
 
 
 def load_file(path: Path, *, allow_pickle: bool, compressed: bool = False) -> object:
@@ -103,6 +118,8 @@ def load_file(path: Path, *, allow_pickle: bool, compressed: bool = False) -> ob
 # What torch.load says of a zip archive it cannot parse, and of a legacy pickle that ends early.
 _BAD_ZIP = "failed reading zip archive"
 _EOF = "unexpected EOF"
+# What Python's unpickler says of a pickle cut in the middle of an opcode's argument.
+_CUT = "pickle data was truncated"
 
 
 def _damaged(path: Path, exc: BaseException) -> CorruptionError | None:
@@ -115,7 +132,7 @@ def _damaged(path: Path, exc: BaseException) -> CorruptionError | None:
     """
     try:
         with open(open_regular(path), "rb") as f:
-            head = f.read(len(_LEGACY_MAGIC))
+            head = f.read(_HEAD)
     except OSError:
         return None
     text = str(exc)
@@ -131,8 +148,14 @@ def _damaged(path: Path, exc: BaseException) -> CorruptionError | None:
             if _BAD_ZIP not in text:
                 return None
             why = f"torch cannot read its zip archive: {text.split('. ', 1)[0]}"  # (advice follows)
-    elif head == _LEGACY_MAGIC and (isinstance(exc, EOFError) or _EOF in text):
-        why = "its pickle ends early (truncated?)"
+    elif _starts_legacy(head) and (
+        isinstance(exc, EOFError | IndexError | struct.error)
+        or _EOF in text
+        or _CUT in text
+        or not _walks(path)
+    ):
+        # (A pickle cut short fails in many ways: an opcode's argument cut, read as a refused global...)
+        why = "its pickle ends early or is broken (truncated?)"
     else:
         return None
     return CorruptionError(f"{path} is damaged: it starts as a torch.save file, but {why}", file=str(path))
@@ -254,6 +277,15 @@ class _StubUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return _Stub()  # a tensor's storage
+
+
+def _walks(path: Path) -> bool:
+    """Whether the pickles of the ``torch.save`` file ``path`` can be walked (see :func:`_structure`)."""
+    try:
+        _structure(path)
+    except Exception:
+        return False
+    return True
 
 
 def _structure(path: Path) -> object:
