@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 import errno
 import os
+import pickle
 import re
 import threading
 from functools import partial
@@ -42,6 +44,7 @@ from aiockpt import (
 )
 from aiockpt._fs import collect_garbage
 from aiockpt._load import read_manifest
+from aiockpt._load._match import plain_unpickle
 from aiockpt._save import _read_summary, open_tmp
 from aiockpt._tree import MAX_DEPTH, is_stateful
 
@@ -523,6 +526,63 @@ async def test_pickles_that_import_nothing_load_without_allow_pickle(op: str, ck
         target: dict[str, object] = {"x": torch.zeros(1), "meta": dict.fromkeys(values)}
         await aiockpt.load(target, ckpt_path)
         assert target["meta"] == values
+
+
+@pytest.mark.parametrize("op", ["read", "load"])
+async def test_pickled_dtypes_sizes_devices_and_complex_numbers_load_without_allow_pickle(
+    op: str, ckpt_path: Path
+) -> None:
+    """What ``torch.load(weights_only=True)`` allows, a plain value's type: a torch.save file's
+    ``{"dtype": torch.bfloat16}`` was refused as "a pickled torch.dtype; loading it can run code"."""
+    values = {
+        "dtype": torch.bfloat16,
+        "size": torch.Size([2, 3]),
+        "device": torch.device("cpu"),
+        "z": complex(1.0, -2.0),
+        "ordered": collections.OrderedDict(b=1, a=2),
+    }
+    await aiockpt.save({"x": torch.ones(1), "meta": values}, ckpt_path, allow_pickle=True)
+    if op == "read":
+        got = (await aiockpt.read(ckpt_path))["meta"]
+    else:
+        target: dict[str, object] = {"x": torch.zeros(1), "meta": dict.fromkeys(values)}
+        await aiockpt.load(target, ckpt_path)
+        got = target["meta"]
+    assert got == values
+    assert isinstance(got, dict)
+    assert type(got["size"]) is torch.Size
+    assert list(got["ordered"]) == ["b", "a"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "torch.load",
+        "torch.Size.__reduce__",
+        "torch._C",
+        "torch.ops",
+        "builtins.eval",
+        "collections.namedtuple",
+    ],
+)
+def test_an_unpickler_without_allow_pickle_gives_no_other_global(name: str) -> None:
+    module, _, attr = name.partition(".")
+    data = b"\x80\x04" + pickle_global(module, attr) + b"."
+    with pytest.raises(pickle.UnpicklingError, match="would be imported"):
+        plain_unpickle(data)
+
+
+def pickle_global(module: str, name: str) -> bytes:
+    """The STACK_GLOBAL opcodes that import ``module.name``."""
+    return (
+        b"\x8c"
+        + bytes([len(module)])
+        + module.encode()
+        + b"\x8c"
+        + bytes([len(name)])
+        + name.encode()
+        + b"\x93"
+    )
 
 
 @pytest.mark.parametrize("op", ["read", "load"])

@@ -13,6 +13,7 @@ Entries that a Stateful's ``state_dict()`` lacks are created from the checkpoint
 
 from __future__ import annotations
 
+import collections
 import inspect
 import io
 import math
@@ -634,21 +635,48 @@ _DTYPES: dict[str, torch.dtype] = {}
 _WRAPPERS = ("_orig_mod.", "module.")
 
 
+def _harmless(module: str, name: str) -> object | None:
+    """The global ``module.name`` where it builds a plain value, else ``None``.
+
+    Those are a torch dtype, ``torch.Size``, ``torch.device``, ``complex`` and ``OrderedDict``, which
+    ``torch.load(weights_only=True)`` allows too.
+    """
+    if module == "torch":
+        if name in ("Size", "device"):
+            found: object = getattr(torch, name)
+            return found
+        value = getattr(torch, name, None) if name.isidentifier() and not name.startswith("_") else None
+        return value if isinstance(value, torch.dtype) else None
+    if (module, name) == ("builtins", "complex"):
+        return complex
+    if (module, name) == ("collections", "OrderedDict"):
+        return collections.OrderedDict
+    return None
+
+
 class _NothingImported(pickle.Unpickler):
-    """An unpickler that imports nothing: what it builds are the values a pickle holds by itself."""
+    """An unpickler that imports nothing but a few plain values' types (see :func:`_harmless`).
+
+    What it builds are the values a pickle holds by itself, and dtypes, sizes, devices, complex numbers.
+    """
 
     def find_class(self, module: str, name: str, /) -> Any:
-        raise pickle.UnpicklingError(f"{module}.{name} would be imported")
+        found = _harmless(module, name)
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name} would be imported")
+        return found
 
 
 def plain_unpickle(data: bytes) -> object:
-    """Unpickle ``data`` where that imports nothing, and so runs no code. Blocking.
+    """Unpickle ``data`` where that imports nothing but plain values' types, and so runs no code. Blocking.
 
     What such a pickle holds: ints, floats, strings, bytes, and lists, tuples, dicts and sets of them (an
     int outside int64 and uint64 is stored pickled, and so is such a value of a foreign checkpoint, which
-    ``torch.load(weights_only=True)`` built). Every callable a pickle can call (``REDUCE``, ``NEWOBJ``,
-    ``INST``...) and every class it can build comes from ``find_class``; persistent ids and out-of-band
-    buffers are refused by default.
+    ``torch.load(weights_only=True)`` built), and torch dtypes, ``torch.Size``, ``torch.device``,
+    ``complex`` and ``OrderedDict`` values (a ``torch.save`` file's ``dtype`` entry, say). Every callable a
+    pickle can call (``REDUCE``, ``NEWOBJ``, ``INST``...) and every class it can build comes from
+    ``find_class``, which returns only those; persistent ids and out-of-band buffers are refused by
+    default.
 
     Raises:
         pickle.UnpicklingError: The pickle would import something.
