@@ -6,6 +6,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -221,6 +222,35 @@ async def test_a_zip_that_is_no_torch_file_is_still_a_format_error(tmp_path: Pat
     with pytest.raises(aiockpt.FormatError) as info:
         await aiockpt.read(path)
     assert not isinstance(info.value, aiockpt.CorruptionError)
+
+
+async def test_an_aiockpt_copy_keeps_the_step_and_metadata_of_its_aiockpt_source(tmp_path: Path) -> None:
+    """convert --to aiockpt dropped both: the copy had no step and no metadata (loss, epoch...)."""
+    async with aiockpt.Checkpointer(tmp_path / "root") as ckpt:
+        await ckpt.save({"w": torch.ones(3)}, step=1500, metadata={"loss": 0.25, "run": "a"})
+    await aiockpt.convert(tmp_path / "root" / "step-00001500", tmp_path / "copy", to="aiockpt")
+    meta = await aiockpt.read_metadata(tmp_path / "copy")
+    assert meta.step == 1500
+    assert meta.user_metadata == {"loss": 0.25, "run": "a"}
+    torch.save({"w": torch.ones(3)}, tmp_path / "x.pt")  # a source with neither
+    await aiockpt.convert(tmp_path / "x.pt", tmp_path / "from-torch", to="aiockpt")
+    meta = await aiockpt.read_metadata(tmp_path / "from-torch")
+    assert (meta.step, meta.user_metadata) == (None, {})
+
+
+@pytest.mark.parametrize("to", ["torch", "aiockpt", "dcp"])
+async def test_convert_counts_a_tied_tensor_once(
+    tmp_path: Path, to: Literal["torch", "aiockpt", "dcp"]
+) -> None:
+    """Its bytes were counted once per key: the progress total, and the CLI's nbytes, were doubled."""
+    w = torch.ones(256)
+    await aiockpt.save({"embed": w, "lm_head": w}, tmp_path / "src")
+    seen: list[tuple[int, int]] = []
+    await aiockpt.convert(
+        tmp_path / "src", tmp_path / "out", to=to, progress=lambda d, t: seen.append((d, t))
+    )
+    assert seen[0] == (0, w.nbytes)
+    assert seen[-1] == (w.nbytes, w.nbytes)
 
 
 # --- convert into a path under a file ----------------------------------------------------------------

@@ -34,7 +34,7 @@ from .._load import run_metadata
 from .._load._ranks import checked_rank
 from .._memory import StagingPool, byte_view, nbytes_of
 from .._options import IOConfig, check_flags, io_config
-from .._save import SaveRequest, discard_tmp, open_tmp, run_save
+from .._save import SaveRequest, UserMetadata, discard_tmp, open_tmp, run_save
 from .._storage import S3Path, local, resolve
 from .._threads import acquire_sync, run_sync
 from .._tree import dtype_name, nested, render
@@ -52,7 +52,8 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's default "5GB"
 
 
 def _tensors(tree: Mapping[Key, object]) -> list[torch.Tensor]:
-    return [obj for obj in nested(tree) if isinstance(obj, torch.Tensor)]
+    """The tensors of ``tree``, each once: a tie (one tensor under two keys) is stored, and counted, once."""
+    return list({id(obj): obj for obj in nested(tree) if isinstance(obj, torch.Tensor)}.values())
 
 
 # The header entry of a safetensors file that holds its metadata, not a tensor.
@@ -288,6 +289,15 @@ def _not_a_directory(target: Path) -> StorageError | None:
     return StorageError(f"cannot write {target}: {ancestor} is not a directory", path=str(ancestor))
 
 
+async def _carried(src: str | os.PathLike[str]) -> tuple[int | None, UserMetadata]:
+    """The step and ``metadata=`` of an aiockpt source, which an aiockpt copy keeps (no other has them)."""
+    location = resolve(src)
+    if not isinstance(location, S3Path) and await run_sync(lambda: detect(location)) != "aiockpt":
+        return None, {}
+    meta = await run_metadata(location)
+    return meta.step, dict(meta.user_metadata)
+
+
 async def _is_dcp(src: str | os.PathLike[str]) -> bool:
     """Whether ``src`` is a DCP directory (as :func:`aiockpt.read` tells it)."""
     location = resolve(src)
@@ -424,7 +434,15 @@ async def convert(
         progress(0, total)
     if to == "aiockpt":
         state = cast("dict[str, object]", tree)  # read() returns str keys at the top
-        req = SaveRequest(state=state, path=target, allow_pickle=allow_pickle, io=io)
+        saved_step, user_metadata = await _carried(src)
+        req = SaveRequest(
+            state=state,
+            path=target,
+            step=saved_step,
+            user_metadata=user_metadata,
+            allow_pickle=allow_pickle,
+            io=io,
+        )
         pool = StagingPool()
         try:
             await run_save(req, world=LocalWorld(), pool=pool, metrics=SaveMetrics(), report=lambda _: None)

@@ -34,7 +34,8 @@ from .._storage import Location, S3Path
 from .._threads import acquire_sync, dismantle, release, responsive, run_sync
 from .._world import World
 from . import _ranks
-from ._finish import UserMetadata, build_manifest, check_metadata, commit, encode_manifest
+from ._finish import UserMetadata as UserMetadata
+from ._finish import build_manifest, check_metadata, commit, encode_manifest
 from ._finish import metadata_of as metadata_of
 from ._global_plan import GlobalPlan, RankPlan, global_plan
 from ._local_plan import LocalPlan, WriteItem, local_plan
