@@ -253,6 +253,22 @@ async def test_convert_counts_a_tied_tensor_once(
     assert seen[-1] == (w.nbytes, w.nbytes)
 
 
+@pytest.mark.parametrize(
+    ("state", "key"),
+    [({"s": torch.eye(2).to_sparse()}, "s"), ({0: torch.ones(1)}, "0")],
+    ids=["sparse", "int_key"],
+)
+async def test_a_torch_file_aiockpt_cannot_read_is_named(
+    tmp_path: Path, state: object, key: str | None
+) -> None:
+    """The refusal named the key alone, in a save's words ("cannot save tensor at key 's'")."""
+    path = tmp_path / "x.pt"
+    torch.save(state, path)
+    with pytest.raises(aiockpt.StateError, match=f"{path} holds what aiockpt cannot read") as info:
+        await aiockpt.read(path)
+    assert info.value.key == key
+
+
 # --- convert into a path under a file ----------------------------------------------------------------
 
 

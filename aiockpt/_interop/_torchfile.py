@@ -498,7 +498,10 @@ class TorchFileSource(DecodingSource):
             raise FormatError(
                 f"{path} holds {a_or_an(type_name(obj))}, not a state dict (a mapping)", file=str(path)
             )
-        flat = flatten(obj, allow_pickle=True)
+        try:
+            flat = flatten(obj, allow_pickle=True)
+        except StateError as exc:  # (its words are a save's: the file it is read from is named here)
+            raise StateError(f"{path} holds what aiockpt cannot read: {exc}", key=exc.key) from exc
         self.tensors = flat.tensors
         data = [r for r in records if r.nbytes and _is_storage(r)]
         located = _locate(flat.tensors, data) if data else None
