@@ -81,12 +81,17 @@ class StateMismatchError(StateError):
 
     Attributes:
         differences: One line per difference (missing key, unexpected key, shape or dtype mismatch).
+        rank: In a distributed job, the (global) rank whose state differs; ``None`` otherwise.
     """
 
-    def __init__(self, differences: Sequence[str]) -> None:
+    def __init__(self, differences: Sequence[str], *, rank: int | None = None) -> None:
         self.differences = list(differences)
+        self.rank = rank
         lines = "\n  ".join(self.differences)
-        super().__init__(f"checkpoint and state differ in {len(self.differences)} place(s):\n  {lines}")
+        where = "" if rank is None else f" on rank {rank}"
+        super().__init__(
+            f"checkpoint and state{where} differ in {len(self.differences)} place(s):\n  {lines}"
+        )
 
 
 class StateMismatchWarning(UserWarning):

@@ -264,6 +264,28 @@ def test_a_process_outside_the_group_it_passes_is_told_so(tmp_path: Path) -> Non
     assert not any((tmp_path / name).exists() for name in ("one", "two"))
 
 
+async def _strict_load_with_an_extra_key_on_rank_1(rank: int, world: int, path: str) -> str:
+    await aiockpt.save({"w": torch.ones(2)}, path)
+    target: dict[str, object] = {"w": torch.zeros(2)}
+    if rank == 1:
+        target["extra"] = torch.zeros(1)
+    try:
+        await aiockpt.load(target, path)
+    except aiockpt.StateMismatchError as exc:
+        return f"{exc.rank}: {exc}"
+    return "loaded"
+
+
+def test_a_strict_load_names_the_rank_whose_state_differs(tmp_path: Path) -> None:
+    """Each rank loads alone: the error named the key, not which rank's state it was missing from."""
+    results = run_world(
+        _strict_load_with_an_extra_key_on_rank_1, 2, tmp_path, str(tmp_path / "c"), timeout=60
+    )
+    assert results[0] == "loaded"
+    assert results[1].startswith("1: checkpoint and state on rank 1 differ in 1 place(s)")
+    assert "extra: missing key" in results[1]
+
+
 async def _fail_in_write(rank: int, world: int, path: str, how: str) -> str:
     import aiockpt._save as save_pipeline
 

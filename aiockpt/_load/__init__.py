@@ -7,6 +7,7 @@ tensors already filled in place when a later block fails verification.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import MutableMapping
 from functools import partial
 
@@ -147,6 +148,15 @@ async def hand_over(plan: LoadPlan, limiter: anyio.CapacityLimiter | None) -> No
         await run_sync(call_all, limiter)
 
 
+def _job_rank() -> int | None:
+    """This process's global rank in a distributed job of several processes, else ``None``."""
+    dist = sys.modules.get("torch.distributed")  # (not imported here: a job has imported it)
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    rank: int = dist.get_rank()
+    return rank
+
+
 def settle(plan: LoadPlan, where: object, *, strict: bool) -> None:
     """Refuse (``strict``) or warn (at the caller's line) about the plan's differences before anything loads.
 
@@ -155,7 +165,7 @@ def settle(plan: LoadPlan, where: object, *, strict: bool) -> None:
     """
     if plan.differences:
         if strict:
-            raise StateMismatchError(plan.differences)
+            raise StateMismatchError(plan.differences, rank=_job_rank())
         missing = "; ".join(plan.differences)
         warn_at_caller(f"loaded {where} partially; not loaded: {missing}", StateMismatchWarning)
 
