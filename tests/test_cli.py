@@ -454,6 +454,8 @@ def test_prune_and_a_checkpointer_leave_another_programs_temp_data_alone(tmp_pat
         os.utime(path, (old, old))
     crashed = root / ".tmp-step-00000003-0123456789ab"
     crashed.mkdir()
+    listed = cli("ls", "--json", root)
+    assert [o["name"] for o in json.loads(listed.stdout)["other"]] == [crashed.name]  # aiockpt's alone
     done = cli("prune", "--json", root, "--keep-last", "5")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["removed_temp"] == [crashed.name]

@@ -14,7 +14,7 @@ from rich.text import Text
 from .._checkpointer import LATEST, STEP_RE, step_of
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptionError
 from .._format import PART_RE, part_dir_name
-from .._fs import LOCK_SUFFIX, TMP_PREFIX, owner_alive
+from .._fs import LOCK_SUFFIX, TMP_PREFIX, is_temp, owner_alive
 from .._load import is_checkpoint, published_parts, read_manifest
 from .._load._manifest import first_missing, missing_ranks
 from .._storage import local
@@ -144,7 +144,7 @@ def list_root(root: Path) -> tuple[list[StepRow], list[OtherRow], str | None]:
     for entry in sorted(root.iterdir()):
         if (step := step_of(entry.name)) is not None and entry.is_dir():
             steps.append(_step_row(entry, step))
-        elif entry.name.startswith(TMP_PREFIX):
+        elif is_temp(entry.name):  # (another program's .tmp- data is not listed: prune leaves it)
             if (other := _other_row(entry)) is not None:
                 others.append(other)
         elif entry.name == LATEST and entry.is_file():

@@ -645,7 +645,7 @@ def _harmless(module: str, name: str) -> object | None:
         if name in ("Size", "device"):
             found: object = getattr(torch, name)
             return found
-        value = getattr(torch, name, None) if name.isidentifier() and not name.startswith("_") else None
+        value = vars(torch).get(name)  # (not getattr: torch's module __getattr__ imports some names)
         return value if isinstance(value, torch.dtype) else None
     if (module, name) == ("builtins", "complex"):
         return complex
