@@ -243,19 +243,27 @@ def _shared_bytes(tensors: Sequence[TensorEntry]) -> tuple[TensorEntry, TensorEn
             break
     if ordered:
         return None
-    by_file: dict[str, list[tuple[int, int, int]]] = {}  # file -> (offset, end, entry) of each chunk
+    # file -> (offset, end, entry, box) of each chunk. A chunk listed twice (the same box of the same entry
+    # over the same bytes) is no overlap: a load reads each distinct box once.
+    by_file: dict[str, list[tuple[int, int, int, tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
     for i, entry in enumerate(tensors):
         for c in entry.chunks:
             if c.nbytes:
-                by_file.setdefault(c.file, []).append((c.offset, c.offset + c.nbytes, i))
+                by_file.setdefault(c.file, []).append(
+                    (c.offset, c.offset + c.nbytes, i, (c.offsets, c.sizes))
+                )
     for name, ranges in by_file.items():
         ranges.sort()
-        end, holder = -1, 0
-        for start, stop, i in ranges:
+        end, holder, last = -1, 0, None
+        for chunk in ranges:
+            start, stop, i, _ = chunk
+            if chunk == last:
+                continue
             if start < end:
                 return tensors[holder], tensors[i], name
             if stop > end:
                 end, holder = stop, i
+            last = chunk
     return None
 
 
