@@ -97,6 +97,30 @@ def test_each_rank_writes_in_its_item_order_when_shards_and_replicas_mix() -> No
     assert sorted(w.item for r in plan.ranks for w in r.writes) == [0, 1, 1, 2, 3, 4, 4]
 
 
+def _one_box_each(length: int, boxes: list[tuple[int, int, bool]]) -> list[LocalPlan]:
+    """Rank ``r``'s plan: one item of the 1-d uint8 tensor 'w' of ``length``, box ``boxes[r]``.
+
+    Each box is ``(offset, size, replicated)``.
+    """
+    return [
+        LocalPlan(
+            rank=r,
+            items=(
+                WriteItem(
+                    path=("w",),
+                    dtype="uint8",
+                    shape=(length,),
+                    offsets=(o,),
+                    sizes=(n,),
+                    nbytes=n,
+                    replicated=rep,
+                ),
+            ),
+        )
+        for r, (o, n, rep) in enumerate(boxes)
+    ]
+
+
 @pytest.mark.parametrize(
     ("boxes", "message"),
     [
@@ -116,49 +140,15 @@ def test_ranks_whose_parts_of_a_tensor_a_load_would_refuse_are_named(
 ) -> None:
     """Such a save was published (rank 0 reported it saved, retention deleted the step before it) and every
     load refused it: boxes overlapping, or outside the tensor, in a collective checkpoint."""
-    plans = [
-        LocalPlan(
-            rank=r,
-            items=(
-                WriteItem(
-                    path=("w",),
-                    dtype="uint8",
-                    shape=(10,),
-                    offsets=(o,),
-                    sizes=(n,),
-                    nbytes=n,
-                    replicated=rep,
-                ),
-            ),
-        )
-        for r, (o, n, rep) in enumerate(boxes)
-    ]
     with pytest.raises(StateError, match=message) as caught:
-        global_plan(plans)
+        global_plan(_one_box_each(10, boxes))
     assert caught.value.key == "w"
 
 
 def test_a_box_several_ranks_hold_is_written_once() -> None:
     """A DTensor sharded over a tensor-parallel sub-mesh, alike in two data-parallel replicas (ranks 0-1
     and 2-3): its boxes were written once per replica."""
-    plans = [
-        LocalPlan(
-            rank=r,
-            items=(
-                WriteItem(
-                    path=("w",),
-                    dtype="uint8",
-                    shape=(8,),
-                    offsets=(4 * (r % 2),),
-                    sizes=(4,),
-                    nbytes=4,
-                    replicated=True,
-                ),
-            ),
-        )
-        for r in range(4)
-    ]
-    plan = global_plan(plans)
+    plan = global_plan(_one_box_each(8, [(4 * (r % 2), 4, True) for r in range(4)]))
     (entry,) = plan.tensors
     assert sorted(c.offsets for c in entry.chunks) == [(0,), (4,)]
     assert sum(len(r.writes) for r in plan.ranks) == 2
