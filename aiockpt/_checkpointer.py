@@ -159,6 +159,19 @@ def _latest_step(raw: bytes) -> int | None:
     return step_of(raw.decode(errors="replace").strip())
 
 
+def _moves_latest(current: int | None, step: int) -> bool | None:
+    """Whether ``latest``, naming ``current``, is to name ``step`` (``latest`` only moves forward).
+
+    ``None`` (``current`` is newer): only if ``current`` is no longer committed (removed by hand), which the
+    caller checks, on a local root or an object store.
+    """
+    if current == step:
+        return False
+    if current is None or current < step:
+        return True
+    return None
+
+
 def _latest_turn(root: Path, locked: bool) -> contextlib.AbstractContextManager[None]:
     """The writers' turn at ``latest`` (an ``flock``; see :func:`publish_newer`), or none where unlocked."""
     return flocked(root / LATEST_LOCK) if locked else contextlib.nullcontext()
@@ -196,11 +209,10 @@ def publish_newer(
         failed: OSError | None = None
         try:
             current = latest_of(root)
-            if (
-                current != step
-                and (current is None or current < step or not is_checkpoint(root / step_dir_name(current)))
-                and is_checkpoint(root / step_dir_name(step))
-            ):
+            moves = _moves_latest(current, step)
+            if moves is None and current is not None:
+                moves = not is_checkpoint(root / step_dir_name(current))
+            if moves and is_checkpoint(root / step_dir_name(step)):
                 replace_durable(root / LATEST, _latest_bytes(step))
         except OSError as exc:
             failed = exc
@@ -849,11 +861,10 @@ class Checkpointer:
                 # an object store offers no compare-and-swap here.)
                 raw = await get(root, LATEST)
                 current = None if raw is None else _latest_step(raw)
-                if (
-                    current is None
-                    or current < steps[-1]
-                    or (current != steps[-1] and not await committed(root / step_dir_name(current)))
-                ):
+                moves = _moves_latest(current, steps[-1])
+                if moves is None and current is not None:
+                    moves = not await committed(root / step_dir_name(current))
+                if moves:
                     await put(root, LATEST, _latest_bytes(steps[-1]), create=False)
             except StorageError as exc:  # retention goes on without it (see publish_newer)
                 failed = exc

@@ -7,7 +7,6 @@ tensors already filled in place when a later block fails verification.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import MutableMapping
 from functools import partial
 
@@ -33,7 +32,7 @@ from .._tree import render, type_name
 from ._manifest import decode_summary, is_checkpoint, published_parts, read_manifest, read_summary
 from ._mapped import Mapper
 from ._match import LoadPlan, match
-from ._ranks import project
+from ._ranks import job_rank, project
 from ._read import cached_pages, read_into
 
 __all__ = [
@@ -148,15 +147,6 @@ async def hand_over(plan: LoadPlan, limiter: anyio.CapacityLimiter | None) -> No
         await run_sync(call_all, limiter)
 
 
-def _job_rank() -> int | None:
-    """This process's global rank in a distributed job of several processes, else ``None``."""
-    dist = sys.modules.get("torch.distributed")  # (not imported here: a job has imported it)
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return None
-    rank: int = dist.get_rank()
-    return rank
-
-
 def settle(plan: LoadPlan, where: object, *, strict: bool) -> None:
     """Refuse (``strict``) or warn (at the caller's line) about the plan's differences before anything loads.
 
@@ -165,7 +155,7 @@ def settle(plan: LoadPlan, where: object, *, strict: bool) -> None:
     """
     if plan.differences:
         if strict:
-            raise StateMismatchError(plan.differences, rank=_job_rank())
+            raise StateMismatchError(plan.differences, rank=job_rank())
         missing = "; ".join(plan.differences)
         warn_at_caller(f"loaded {where} partially; not loaded: {missing}", StateMismatchWarning)
 

@@ -28,9 +28,18 @@ from .._tree import render
 
 def this_rank() -> int:
     """This process's rank in ``torch.distributed``'s default group, or 0 outside a distributed job."""
+    rank = job_rank()
+    return 0 if rank is None else rank
+
+
+def job_rank() -> int | None:
+    """This process's rank in a distributed job of several processes, else ``None`` (none to name)."""
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    rank: int = dist.get_rank()
+    return rank
 
 
 def checked_rank(rank: object) -> int:
