@@ -585,8 +585,10 @@ class Checkpointer:
                 what = "it is not a directory" if blocked == root else f"{blocked} is not a directory"
                 raise StorageError(f"cannot open checkpoint root {root}: {what}", path=str(blocked)) from exc
             except OSError as exc:
+                where = str(root) if exc.filename is None else os.fsdecode(exc.filename)
+                within = "" if where == str(root) else f" ({where})"
                 raise StorageError(
-                    f"cannot open checkpoint root {root}: {exc.strerror or exc}", path=str(root)
+                    f"cannot open checkpoint root {root}: {exc.strerror or exc}{within}", path=where
                 ) from exc
 
         if isinstance(root, S3Path):

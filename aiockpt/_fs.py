@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -284,14 +285,24 @@ def remove_tree(path: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         return
-    for _ in range(3):  # a concurrent collector may remove entries under our feet: start over
-        try:
-            shutil.rmtree(path)
+    for _ in range(3):  # entries made meanwhile (none are, in a doomed tree) would survive a pass
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=_skip_vanished)
+        else:
+            shutil.rmtree(path, onerror=lambda function, name, info: _skip_vanished(function, name, info[1]))
+        if not os.path.lexists(path):
             return
-        except FileNotFoundError:
-            if not os.path.lexists(path):
-                return
     shutil.rmtree(path)
+
+
+def _skip_vanished(function: object, name: str, exc: BaseException) -> None:
+    """``shutil.rmtree``'s error handler: an entry another collector removed first is not an error.
+
+    Without it, ``rmtree`` stops at the first such entry, and two processes removing one large tree
+    (a step of many ranks' files, renamed for deletion) would each keep failing on the other's work.
+    """
+    if not isinstance(exc, FileNotFoundError):
+        raise exc
 
 
 def _open_unnamed(directory: Path) -> int:

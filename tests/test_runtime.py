@@ -568,6 +568,33 @@ def test_a_temp_dir_and_its_lock_are_one_entry_removed_whatever_the_listing_orde
     assert list(root.iterdir()) == []
 
 
+def test_a_tree_another_process_is_removing_too_is_removed_and_the_root_opens(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step renamed for deletion has no owner lock, so a Checkpointer opening the root (or ``aiockpt
+    prune``) may remove it beside the process that renamed it. ``shutil.rmtree`` stopped at the first file
+    the other one had removed, and after three tries the FileNotFoundError failed the open ("cannot open
+    checkpoint root ...: No such file or directory") or the prune (exit 2, trees left behind)."""
+    root.mkdir()
+    doomed = root / ".tmp-del-step-00000003-0123456789ab"
+    doomed.mkdir()
+    files = [doomed / f"data-r{rank:05d}.bin" for rank in range(64)]
+    for f in files:
+        f.write_bytes(b"x")
+    unlink = os.unlink
+
+    def raced(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+        # The other process removes one of the files first, every time ours removes one.
+        other = next((f for f in files if f.exists()), None)
+        if other is not None and other.name != os.fspath(path):
+            unlink(other)
+        unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", raced)
+    aiockpt.sync.Checkpointer(root).close()
+    assert list(root.iterdir()) == []
+
+
 # --- watch() --------------------------------------------------------------------------------------------
 
 
