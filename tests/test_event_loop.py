@@ -238,3 +238,60 @@ async def test_a_reads_manifest_is_freed_off_the_event_loop(
     tree = await aiockpt.read(tmp_path / "c")
     assert sorted(tree) == sorted(state)
     assert sorted(freed) == ["manifest 1", "manifest 2"]
+
+
+async def test_a_verifys_manifest_and_plan_are_freed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify's manifest and per-block plan were locals of its coroutine, freed with its frame on the
+    event loop's thread (25-50 ms for 20,000 tensors)."""
+    import msgspec
+
+    from aiockpt import _verify
+
+    loop_thread = threading.get_ident()
+    freed: list[str] = []
+
+    class Tracked:
+        def __del__(self) -> None:
+            freed.append("on the loop" if threading.get_ident() == loop_thread else "in a worker")
+
+    real = _verify.read_manifest  # type: ignore[attr-defined]
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        return msgspec.structs.replace(real(*args, **kwargs), user_metadata={"probe": Tracked()})
+
+    await aiockpt.save({f"s{i}": torch.randn(64) for i in range(600)}, tmp_path / "c")
+    monkeypatch.setattr(_verify, "read_manifest", tracked)
+    assert (await aiockpt.verify(tmp_path / "c")).ok
+    assert freed == ["in a worker"]
+
+
+@pytest.mark.parametrize("to", ["aiockpt", "torch", "safetensors", "dcp"])
+async def test_converts_walks_of_the_tree_run_in_a_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, to: str
+) -> None:
+    """convert walked the whole tree it had read on the event loop's thread (checking DCP's names, listing
+    the tensors): a list of 20,000 ints held the loop for 3 s when converted to DCP."""
+    from aiockpt._interop import _convert
+
+    loop_thread = threading.get_ident()
+    on_the_loop: list[str] = []
+
+    def tracked(name: str) -> Callable[..., Any]:
+        real = getattr(_convert, name)
+
+        def walk(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == loop_thread:
+                on_the_loop.append(name)
+            return real(*args, **kwargs)
+
+        return walk
+
+    torch.save({"w": torch.randn(16), "n": [1, 2, 3]}, tmp_path / "in.pt")
+    await aiockpt.convert(tmp_path / "in.pt", tmp_path / "dcp", to="dcp")  # a DCP source: its ids restored
+    for name in ("restore_optimizer_ids", "named_tensors", "check_dcp_names", "_tensors"):
+        monkeypatch.setattr(_convert, name, tracked(name))
+    out = tmp_path / ("out.safetensors" if to == "safetensors" else "out")
+    await aiockpt.convert(tmp_path / "dcp", out, to=to, drop_non_tensors=to == "safetensors")  # type: ignore[arg-type]
+    assert on_the_loop == []

@@ -411,13 +411,19 @@ async def convert(
     tree = await read(
         src, allow_pickle=allow_pickle, io=io if mapped else replace(io, map_reads=False), rank=chosen
     )
-    if await _is_dcp(src):
-        # What a load straight from the DCP directory gives an optimizer (see ``restore_optimizer_ids``).
-        restore_optimizer_ids(tree)
-    items = named_tensors(tree, drop_non_tensors=drop_non_tensors) if to == "safetensors" else []
-    if to == "dcp":
-        check_dcp_names(tree)
-    tensors = [t for _, t in items] if to == "safetensors" else _tensors(tree)
+    from_dcp = await _is_dcp(src)
+
+    def prepare() -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        # Walks of the whole tree: in a worker, as a list of 10^5 plain values takes a while.
+        if from_dcp:
+            # What a load straight from the DCP directory gives an optimizer (``restore_optimizer_ids``).
+            restore_optimizer_ids(tree)
+        items = named_tensors(tree, drop_non_tensors=drop_non_tensors) if to == "safetensors" else []
+        if to == "dcp":
+            check_dcp_names(tree)
+        return items, [t for _, t in items] if to == "safetensors" else _tensors(tree)
+
+    items, tensors = await run_sync(prepare)
     total = sum(nbytes_of(t) for t in tensors)
     done = reported = 0
     step = max(total // 200, 1)
