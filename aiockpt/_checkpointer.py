@@ -627,7 +627,12 @@ class Checkpointer:
         return self._steps[-1] if self._steps else None
 
     def path_of(self, step: int) -> Location:
-        """The directory (or object prefix) of ``step``'s checkpoint."""
+        """The directory (or object prefix) of ``step``'s checkpoint.
+
+        Raises:
+            CheckpointError: ``step`` is not a non-negative int.
+        """
+        _check_step(step)
         return self.root / step_dir_name(step)
 
     # --- Saving -----------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import anyio
 
 from ._checkpointer import Checkpointer
 from ._errors import CheckpointError
+from ._options import check_flags
 
 # What ``signal.getsignal`` returns.
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
@@ -30,7 +31,8 @@ class Preemption:
     :attr:`requested` is set by a Python signal handler, which runs on the main thread between two
     bytecodes, not by the event loop: a loop of synchronous steps that never awaits sees it at its next
     check. Until the block is left, a repeated signal is ignored; a signal that arrives once the block
-    was left without one goes to the handler from before, which is back in place.
+    was left without one goes to the handler from before, which is back in place (unless the application
+    installed one of its own inside the block: that one stays).
 
     Example::
 
@@ -48,8 +50,10 @@ class Preemption:
         exit: Raise ``SystemExit`` after the final save.
 
     Raises:
-        CheckpointError: On entering the block, a signal cannot be handled (SIGKILL), or this is not the
-            main thread (where Python runs signal handlers).
+        CheckpointError: An argument has a wrong type (``ckpt`` not an :class:`aiockpt.Checkpointer`, a
+            signal not a signal number, ``final_save`` not callable, a flag not a bool; names it). On
+            entering the block: a signal cannot be handled (SIGKILL), or this is not the main thread
+            (where Python runs signal handlers).
     """
 
     def __init__(
@@ -61,6 +65,15 @@ class Preemption:
         cancel: bool = False,
         exit: bool = True,
     ) -> None:
+        if not isinstance(ckpt, Checkpointer):
+            raise CheckpointError(f"Preemption needs an aiockpt.Checkpointer, not {type(ckpt).__name__}")
+        if final_save is not None and not callable(final_save):
+            raise CheckpointError(f"final_save must be callable or None, not {final_save!r}")
+        check_flags(cancel=cancel, exit=exit)
+        given: Sequence[object] = signals  # (what a caller passes, whatever the annotation says)
+        for sig in given:
+            if isinstance(sig, bool) or not isinstance(sig, int) or sig not in signal.valid_signals():
+                raise CheckpointError(f"signals must hold signal numbers (signal.SIGTERM, ...), not {sig!r}")
         self.ckpt = ckpt
         self.final_save = final_save
         self.signals = tuple(dict.fromkeys(signals))  # once each: a second entry took the first for "before"
@@ -171,8 +184,14 @@ class Preemption:
         return swallowed
 
     def _restore(self) -> None:
-        """Give each signal back to what handled it before (the default action if nothing did)."""
+        """Give each signal back to what handled it before (the default action if nothing did).
+
+        A signal whose handler is no longer this block's was given a handler of the application's inside
+        the block (``loop.add_signal_handler`` for a server started there, say): it keeps that one.
+        """
         for sig, (handle, handler) in self._before.items():
+            if signal.getsignal(sig) != self._on_signal:
+                continue
             if handle is not None:  # an asyncio handler of the application's (Handle's fields are private)
                 assert self._loop is not None
                 self._loop.add_signal_handler(sig, handle._callback, *handle._args)  # type: ignore[attr-defined]

@@ -566,8 +566,43 @@ async def test_bad_step(step: object, root: Path) -> None:
     async with Checkpointer(root) as ckpt:
         with pytest.raises(aiockpt.CheckpointError):
             await ckpt.save(state_for(1), step=step)  # type: ignore[call-overload]
+        # path_of made "step--0000001" of -1 and raised a bare ValueError for 1.5 and "3".
+        with pytest.raises(aiockpt.CheckpointError, match="step must be"):
+            ckpt.path_of(step)  # type: ignore[arg-type]
         assert ckpt.steps() == []
         assert tmp_entries(root) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "culprit"),
+    [
+        ({"signals": ("SIGTERM",)}, "signals"),
+        ({"signals": (True,)}, "signals"),
+        ({"signals": (10**6,)}, "signals"),
+        ({"final_save": "save"}, "final_save"),
+        ({"cancel": "yes"}, "cancel"),
+        ({"exit": None}, "exit"),
+    ],
+)
+async def test_preemption_refuses_bad_arguments_naming_them(
+    root: Path, kwargs: dict[str, object], culprit: str
+) -> None:
+    """A signal name given as a str raised a bare TypeError on entering the block; a final_save that is
+    no function failed only once a signal had come."""
+    async with Checkpointer(root) as ckpt:
+        with pytest.raises(aiockpt.CheckpointError, match=culprit):
+            aiockpt.Preemption(ckpt, **kwargs)  # type: ignore[arg-type]
+
+
+def test_preemption_needs_an_async_checkpointer(root: Path) -> None:
+    """Preemption(None) was accepted, and failed only once a signal had come."""
+    with pytest.raises(aiockpt.CheckpointError, match=r"needs an aiockpt\.Checkpointer, not NoneType"):
+        aiockpt.Preemption(None)  # type: ignore[arg-type]
+    with (
+        aiockpt.sync.Checkpointer(root) as blocking,
+        pytest.raises(aiockpt.CheckpointError, match="not Checkpointer"),
+    ):
+        aiockpt.Preemption(blocking)  # type: ignore[arg-type]
 
 
 # -- concurrent calls ----------------------------------------------------------------------------------

@@ -842,6 +842,29 @@ async def test_preemption_given_a_signal_twice_gives_it_back_to_its_handler_befo
         signal.signal(signal.SIGUSR1, before)
 
 
+async def test_a_handler_the_application_installs_inside_the_block_stays(root: Path) -> None:
+    """Leaving the block put back the handler from before it (here the default action, which ends the
+    process) over one the application had added inside it: the next signal killed the process."""
+    got: list[str] = []
+    loop = asyncio.get_running_loop()
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        async with (
+            Checkpointer(root) as ckpt,
+            aiockpt.Preemption(ckpt, signals=(signal.SIGUSR1,), exit=False),
+        ):
+            loop.add_signal_handler(signal.SIGUSR1, got.append, "server")  # a server started in the block
+        assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL  # (checked: it would end the tests)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with anyio.fail_after(10):
+            while not got:  # noqa: ASYNC110 (asyncio runs the handler on the loop: no event to wait on)
+                await anyio.sleep(0.01)
+        assert got == ["server"]
+    finally:
+        loop.remove_signal_handler(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_a_preemption_can_be_made_before_the_event_loop_runs(root: Path) -> None:
     """Its cancel scope and event were made at once, which anyio refuses outside a running loop
     (NoEventLoopError); a Checkpointer can be made there, and both are then used in the loop."""
