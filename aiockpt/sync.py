@@ -250,9 +250,11 @@ def _as_this_thread(call: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[
 class SyncSaveHandle:
     """A save in flight, seen from synchronous code."""
 
-    def __init__(self, handle: SaveHandle, portal: BlockingPortal) -> None:
+    def __init__(self, handle: SaveHandle, portal: BlockingPortal, thread: threading.Thread) -> None:
         self._handle = handle
         self._portal = portal
+        self._thread = thread  # the event-loop thread the save runs on
+        self._pid = os.getpid()
 
     def __repr__(self) -> str:
         return repr(self._handle).replace("<SaveHandle", "<SyncSaveHandle", 1)
@@ -277,9 +279,14 @@ class SyncSaveHandle:
         return self._handle.done()
 
     def cancel(self) -> None:
-        """Ask the save to stop (see :meth:`aiockpt.SaveHandle.cancel`); nothing once it has ended."""
+        """Ask the save to stop (see :meth:`aiockpt.SaveHandle.cancel`); nothing once it has ended.
+
+        Raises:
+            CheckpointError: This process is a fork of the one saving.
+        """
         # An ended save needs no portal: it may be stopped already (its Checkpointer closed).
         if not self._handle.done():
+            self._check_reachable()
             try:
                 self._portal.call(self._cancel)
             except RuntimeError:  # the portal stopped meanwhile: closing ended the save first
@@ -296,10 +303,12 @@ class SyncSaveHandle:
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first (the save goes on).
-            CheckpointError: The save failed, was cancelled or skipped.
+            CheckpointError: The save failed, was cancelled or skipped; or this process is a fork of the one
+                saving, which alone can wait for it.
         """
         if self._handle.done():
             return self._handle._outcome()
+        self._check_reachable()
         try:
             future = self._portal.start_task_soon(self._handle.wait)
         except RuntimeError:  # the portal stopped meanwhile: closing ended the save first
@@ -311,6 +320,23 @@ class SyncSaveHandle:
             # TimeoutError that the docstring promises.
             future.cancel()
             raise TimeoutError(f"the save of step {self._handle.step} is not durable yet") from None
+
+    def _check_reachable(self) -> None:
+        """Refuse a save whose event-loop thread is gone, as in a forked child.
+
+        There the copy of the handle would wait for ever: handing a call to a portal whose thread is not
+        there blocks.
+
+        Raises:
+            CheckpointError: This process is a fork of the one saving (or the thread has died).
+        """
+        if os.getpid() != self._pid:
+            raise CheckpointError(
+                f"the save of step {self._handle.step} runs in process {self._pid}, of which this process "
+                "is a fork: its handle serves that process only"
+            )
+        if not self._thread.is_alive():
+            raise CheckpointError(f"the save of step {self._handle.step} lost its event-loop thread")
 
 
 class Checkpointer:
@@ -358,6 +384,7 @@ class Checkpointer:
             s3=s3,
         )
         self._portal, self._thread = _start_portal()
+        self._pid = os.getpid()  # (a forked child has no event-loop thread)
         self._closing = threading.Lock()  # one close at a time (several threads may close)
         self._watches = _Watches()
         try:
@@ -426,7 +453,7 @@ class Checkpointer:
             handle = self._call(
                 _as_this_thread(lambda: self._ckpt.save(state, step=step, async_op=True, metadata=metadata))
             )
-            return SyncSaveHandle(handle, self._portal)
+            return SyncSaveHandle(handle, self._portal, self._thread)
         return self._call(_as_this_thread(lambda: self._ckpt.save(state, step=step, metadata=metadata)))
 
     def reserve(self, state: Mapping[str, object]) -> int:
@@ -563,6 +590,11 @@ class Checkpointer:
             CheckpointError: The Checkpointer is closed (its event-loop thread has stopped).
         """
         closed = f"the Checkpointer of {self._ckpt.root} is closed"
+        if os.getpid() != self._pid:
+            raise CheckpointError(
+                f"the Checkpointer of {self._ckpt.root} belongs to process {self._pid}, of which this "
+                "process is a fork: make a new one here"
+            )
         if not self._thread.is_alive():
             raise CheckpointError(closed)
         return _until_done(self._portal, self._thread, call, closed)

@@ -371,3 +371,58 @@ def test_watch_errors_are_raised_in_the_caller_thread_as_they_are(root: Path) ->
         thread.join(10)
         (error,) = got
         assert type(error) is aiockpt.StorageError, repr(error)
+
+
+FORKED = """
+import os, sys, threading, warnings
+import anyio.to_thread, torch
+import aiockpt, aiockpt._save, aiockpt.sync
+
+warnings.simplefilter("ignore", DeprecationWarning)  # (Python 3.12: a fork of a process with threads)
+go = threading.Event()
+commit = aiockpt._save.commit
+
+
+async def held(*args, **kwargs):  # the save stays in flight until the child has tried it
+    await anyio.to_thread.run_sync(go.wait)
+    await commit(*args, **kwargs)
+
+
+aiockpt._save.commit = held
+ckpt = aiockpt.sync.Checkpointer(sys.argv[1])
+handle = ckpt.save({"w": torch.ones(4)}, step=1, async_op=True)
+if os.fork() == 0:
+    for call in (lambda: handle.result(2), handle.cancel, lambda: ckpt.save({"w": torch.ones(4)}, step=2)):
+        try:
+            call()
+            print("returned", flush=True)
+        except aiockpt.CheckpointError as exc:
+            print(exc, flush=True)
+    os._exit(0)
+os.wait()
+go.set()
+print(handle.result(30).step)
+ckpt.close()
+"""
+
+
+def test_a_forked_child_is_refused_the_parents_save_handle_and_checkpointer(tmp_path: Path) -> None:
+    """A child forked during a background save waited for ever in ``handle.result(timeout=2)`` and
+    ``handle.cancel()`` (the portal's thread is not in the child; the timeout applied only after the
+    hand-over), and its Checkpointer said "closed"."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "root")],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=45,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 4, proc.stdout
+    assert all("of which this process is a fork" in line for line in lines[:3]), lines
+    assert lines[3] == "1"  # the parent's save, unharmed
