@@ -256,3 +256,19 @@ async def test_disk_full_at_the_commit_publishes_nothing(small_fs: Path) -> None
         await ckpt.save({"w": torch.full((data // 4,), 2.0)}, step=2)
         assert ckpt.steps() == [1, 2]
         assert_tree_equal(await ckpt.read(), {"w": torch.full((data // 4,), 2.0)})
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp"])
+async def test_a_conversion_onto_a_full_disk_is_a_storage_error(
+    small_fs: Path, tmp_path: Path, to: str
+) -> None:
+    """torch.save and dcp.save turn the OSError of a full disk into a RuntimeError ("unexpected pos
+    ..."), which convert took for a value the target refuses: a StateError blaming the source."""
+    src = tmp_path / "src"
+    await aiockpt.save({"w": torch.ones(6 * MiB)}, src)  # 24 MiB: more than the file system holds
+    with pytest.raises(StorageError) as info:
+        await aiockpt.convert(src, small_fs / "out", to=to)  # type: ignore[arg-type]
+    cause = info.value.__cause__
+    assert isinstance(cause, OSError), f"cause {cause!r}"
+    assert cause.errno == errno.ENOSPC, f"cause {cause!r}"
+    assert listdir(small_fs) == []

@@ -253,6 +253,26 @@ async def test_convert_counts_a_tied_tensor_once(
     assert seen[-1] == (w.nbytes, w.nbytes)
 
 
+@pytest.mark.parametrize("dst", ["out.safetensors", "hf"])
+async def test_an_error_of_the_progress_callback_reaches_the_caller_as_it_is(
+    tmp_path: Path, dst: str
+) -> None:
+    """Raised from a call made as safetensors tensors were written, it came back as a StateError blaming
+    the source ("cannot write ... as safetensors: ...")."""
+
+    class Stop(Exception):
+        pass
+
+    def progress(done: int, total: int) -> None:
+        if done:
+            raise Stop
+
+    await aiockpt.save({f"w{i}": torch.ones(4096) for i in range(4)}, tmp_path / "src")
+    with pytest.raises(Stop):
+        await aiockpt.convert(tmp_path / "src", tmp_path / dst, to="safetensors", progress=progress)
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
 @pytest.mark.parametrize(
     ("state", "key"),
     [({"s": torch.eye(2).to_sparse()}, "s"), ({0: torch.ones(1)}, "0")],

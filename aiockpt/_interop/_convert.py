@@ -249,10 +249,35 @@ def _compact(obj: object, clones: dict[int, torch.Tensor]) -> object:
     return obj
 
 
+def _write_error(exc: BaseException) -> OSError | None:
+    """The OSError that ``exc`` (or an error it was raised from, or while handling) began with, if any.
+
+    ``torch.save``'s writer turns a failed write (a full disk) into a RuntimeError ("unexpected pos
+    ..."), raised while handling the OSError.
+    """
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, OSError):
+            return at
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return None
+
+
 def write_torch(file: Path, tree: Mapping[Key, object]) -> None:
-    """``torch.save`` ``tree`` into the new file ``file`` and fsync it. Blocking."""
+    """``torch.save`` ``tree`` into the new file ``file`` and fsync it. Blocking.
+
+    Raises:
+        OSError: Writing failed (the disk is full, say).
+    """
     with open(file, "xb") as f:
-        torch.save(_compact(tree, {}), f)
+        try:
+            torch.save(_compact(tree, {}), f)
+        except RuntimeError as exc:
+            if (error := _write_error(exc)) is not None:
+                raise error from exc
+            raise
         f.flush()
         os.fsync(f.fileno())
 
@@ -261,6 +286,10 @@ def write_dcp(directory: Path, tree: Mapping[Key, object]) -> None:
     """Save ``tree`` into the empty directory ``directory`` with ``dcp.save``, in this process only. Blocking.
 
     ``tree`` has passed :func:`check_dcp_names`.
+
+    Raises:
+        OSError: Writing failed (the disk is full, say): the error of DCP's writer.
+        RuntimeError: ``dcp.save`` failed otherwise.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -272,6 +301,9 @@ def write_dcp(directory: Path, tree: Mapping[Key, object]) -> None:
         try:
             save(dict(tree), storage_writer=FileSystemWriter(directory, sync_files=True), no_dist=True)
         except CheckpointException as exc:  # a BaseException: made an ordinary error here
+            for failure in exc.failures.values():  # (each an exception, with its traceback's summary)
+                if (error := _write_error(failure[0] if isinstance(failure, tuple) else failure)) is not None:
+                    raise error from exc
             raise RuntimeError(f"dcp.save failed: {exc}") from exc
     fsync_dir(directory)
 
@@ -427,6 +459,7 @@ async def convert(
     total = sum(nbytes_of(t) for t in tensors)
     done = reported = 0
     step = max(total // 200, 1)
+    failed: list[BaseException] = []  # what ``progress`` raised, which reaches the caller as it is
 
     def advance(n: int) -> None:
         # Called from the writer thread; the callback itself runs on the event loop thread.
@@ -434,7 +467,11 @@ async def convert(
         done += n
         if progress is not None and (done - reported >= step or done == total):
             reported = done
-            anyio.from_thread.run_sync(progress, done, total)
+            try:
+                anyio.from_thread.run_sync(progress, done, total)
+            except BaseException as exc:
+                failed.append(exc)
+                raise
 
     if progress is not None:
         progress(0, total)
@@ -498,6 +535,8 @@ async def convert(
     except CheckpointError:
         raise
     except Exception as exc:  # torch.save or dcp.save refusing a value of the source
+        if exc in failed:
+            raise
         raise StateError(f"cannot write {target} as {to}: {exc}") from exc
     if progress is not None and reported < total:
         progress(total, total)
