@@ -274,6 +274,21 @@ async def test_a_checkpoint_deleted_while_it_is_read_is_not_found_not_corrupt(
         await aiockpt.load(target, ckpt_path)
 
 
+@pytest.mark.parametrize("map_reads", [True, False])
+async def test_a_data_file_that_cannot_be_looked_up_is_no_missing_file(
+    ckpt_path: Path, map_reads: bool
+) -> None:
+    """A fresh read said "data file is missing" for a file whose stat failed for another reason (here a
+    symlink loop; EACCES and EIO alike), where a load names the real error."""
+    await aiockpt.save({"w": torch.ones(1 << 16)}, ckpt_path)
+    data = ckpt_path / "data-r00000.bin"
+    data.unlink()
+    data.symlink_to(data.name)  # a loop: ELOOP
+    with pytest.raises(aiockpt.StorageError, match="Too many levels of symbolic links") as info:
+        await aiockpt.read(ckpt_path, io=aiockpt.IOConfig(map_reads=map_reads))
+    assert info.value.path == str(data)
+
+
 async def test_module_tensors_are_loaded_in_place(ckpt_path: Path) -> None:
     model = make_model(0)
     await aiockpt.save({"model": model}, ckpt_path)

@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from torch.nn.parameter import is_lazy
 
-from .._errors import CorruptionError, StateError
+from .._errors import CorruptionError, StateError, StorageError
 from .._format import (
     BytesNode,
     DictNode,
@@ -852,6 +852,7 @@ class _DataFiles:
         self.directory = directory
         self.sizes: dict[str, int | None] = {}  # per file, its size (``None``: it cannot be looked up)
         self.kinds: dict[str, str] = {}  # per local file that is no regular file, what it is (see irregular)
+        self.errors: dict[str, OSError] = {}  # per local file that is there but cannot be looked up, why
 
     def size(self, name: str) -> int | None:
         """The size of data file ``name``; ``None`` where it is missing (or, locally, cannot be looked up).
@@ -867,8 +868,10 @@ class _DataFiles:
             else:
                 try:
                     found = os.stat(self.directory / name)
-                except OSError:  # (the read stage reports why, naming the file)
+                except OSError as exc:
                     self.sizes[name] = None
+                    if not isinstance(exc, FileNotFoundError):  # (EACCES, ELOOP, EIO: not missing)
+                        self.errors[name] = exc
                 else:
                     self.sizes[name] = found.st_size
                     if (kind := irregular(found.st_mode)) is not None:
@@ -881,6 +884,8 @@ class _DataFiles:
         Raises:
             CorruptionError: A data file of it is missing, no regular file (a directory, say) or too
                 short, or its chunks hold fewer bytes than it has (names the key and the file).
+            StorageError: A data file of it cannot be looked up (no permission, a symlink loop, an I/O
+                error; names the file).
         """
         key = render(path)
         boxes: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
@@ -890,6 +895,8 @@ class _DataFiles:
             kind = self.kinds.get(c.file)
             if size is None or kind is not None or c.offset + c.nbytes > size:
                 file = str(self.directory / c.file)
+                if (error := self.errors.get(c.file)) is not None:
+                    raise StorageError(f"cannot read {file}: {error.strerror or error}", path=file) from error
                 if size is None:
                     what = "data file is missing"
                 else:
