@@ -250,6 +250,9 @@ def encode_body(manifest: Manifest, *, version: int | None = None) -> bytes:
     return b"".join(body_parts(manifest, version=version))
 
 
+# A manifest's body names its version: one without (which the default would take for the newest) is
+# no manifest any version of aiockpt wrote.
+_REQUIRED = ("format_version",)
 # Format 1: the tree decoded in a call of its own, the tensor entries 512 at a time from the raw array
 # (one decode of a 20,000-tensor manifest in one call holds the GIL 10-20 ms).
 _V1 = SlicedDecoder(
@@ -258,6 +261,7 @@ _V1 = SlicedDecoder(
     TensorEntry,
     converted={"tree": (msgspec.Raw, msgspec.msgpack.Decoder(DictNode).decode)},
     item_name="tensor entry",
+    required=_REQUIRED,
 )
 _V2 = SlicedDecoder(
     Manifest,
@@ -265,6 +269,7 @@ _V2 = SlicedDecoder(
     TensorEntry,
     converted={"tree": (tuple[memoryview, ...], tree_from_blobs)},
     item_name="tensor entry",
+    required=_REQUIRED,
     blobs=True,
 )
 # Format 3 is format 2 whose tree may hold a RanksNode, which format 2's decoder rebuilds as well

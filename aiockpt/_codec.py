@@ -11,7 +11,7 @@ encoding of the messages between ranks and, from format version 2 on, of the man
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from itertools import islice
 from typing import Any, Generic, TypeVar
 
@@ -117,16 +117,21 @@ def encode_parts(obj: msgspec.Struct, blobs: Mapping[str, Sequence[bytes]]) -> l
     return parts
 
 
-def _outline_of(type_: type[msgspec.Struct], raw: Mapping[str, Any]) -> type[msgspec.Struct]:
+def _outline_of(
+    type_: type[msgspec.Struct], raw: Mapping[str, Any], required: Collection[str] = ()
+) -> type[msgspec.Struct]:
     """A struct with ``type_``'s fields and options, but the types in ``raw`` for some fields.
 
     Decoding into it leaves those fields as raw msgpack (``raw`` maps them to ``msgspec.Raw`` or
-    ``tuple[msgspec.Raw, ...]``), to be decoded later, in slices.
+    ``tuple[msgspec.Raw, ...]``), to be decoded later, in slices. The fields named in ``required`` have
+    no default in it: decoding refuses data without them.
     """
-    fields: list[tuple[str, Any, Any]] = []
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
     for info in msgspec.structs.fields(type_):
         typ = raw.get(info.name, info.type)
-        if info.default_factory is not msgspec.NODEFAULT:
+        if info.name in required:
+            fields.append((info.name, typ))
+        elif info.default_factory is not msgspec.NODEFAULT:
             fields.append((info.name, typ, msgspec.field(default_factory=info.default_factory)))
         else:
             fields.append((info.name, typ, info.default))
@@ -150,7 +155,8 @@ class SlicedDecoder(Generic[S]):
     it undecoded), and ``convert``, called after offering the GIL, turns that into the field's value (a
     decoder's ``decode`` for a field decoded in a call of its own; a function for a field stored in
     another shape than it has in memory). Errors name a bad item as ``field[i]``, or as
-    ``"{item_name} {i}"`` if given. ``blobs`` reads what :func:`encode` ``(blobs=True)`` writes.
+    ``"{item_name} {i}"`` if given. ``blobs`` reads what :func:`encode` ``(blobs=True)`` writes. Fields
+    named in ``required`` must be in the data, whatever default ``type_`` gives them.
     """
 
     def __init__(
@@ -162,6 +168,7 @@ class SlicedDecoder(Generic[S]):
         converted: Mapping[str, tuple[Any, Callable[[Any], Any]]] | None = None,
         item_name: str | None = None,
         blobs: bool = False,
+        required: Collection[str] = (),
     ) -> None:
         self._type = type_
         self._field = field
@@ -170,7 +177,7 @@ class SlicedDecoder(Generic[S]):
         raw: dict[str, Any] = {name: wire for name, (wire, _) in (converted or {}).items()}
         # Blobs are decoded as views into ``data``, not copied out of it (megabytes for a manifest).
         raw[field] = tuple[memoryview, ...] if blobs else tuple[msgspec.Raw, ...]
-        self._outline = msgspec.msgpack.Decoder(_outline_of(type_, raw))
+        self._outline = msgspec.msgpack.Decoder(_outline_of(type_, raw, required))
         self._items = msgspec.msgpack.Decoder(tuple[item, ...])
         self._raws = msgspec.msgpack.Decoder(tuple[msgspec.Raw, ...])
         self._item = msgspec.msgpack.Decoder(item)

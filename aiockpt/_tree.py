@@ -144,15 +144,24 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`.
+    """Inverse of :func:`dtype_name`: only a dtype's own name, never an alias (``"float"``, ``"half"``).
+
+    An alias would read (``torch.float`` is ``torch.float32``) but compare unequal to the name a target's
+    dtype has, so a checkpoint that says one reads and does not load. Looked up among torch's attributes
+    (``vars``), never with ``getattr``, which imports a submodule a manifest names (``"onnx"``).
 
     Raises:
-        ValueError: ``name`` is not a torch dtype.
+        ValueError: ``name`` is not the name of a torch dtype.
     """
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    if not _DTYPES_BY_NAME:
+        _DTYPES_BY_NAME.update({dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)})
+    dtype = _DTYPES_BY_NAME.get(name)
+    if dtype is None:
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
+
+
+_DTYPES_BY_NAME: dict[str, torch.dtype] = {}
 
 
 def check_tensor(tensor: torch.Tensor, path: KeyPath) -> None:
