@@ -12,12 +12,13 @@ loop stays free to drive the checkpoint in flight.
   training goes on, each rank writes its own shards and rank 0 publishes the checkpoint once every rank has
   written its part. The previous save is awaited before the next one starts.
 * On start, ``step = await ckpt.load(state)`` restores the latest committed step (model and AdamW state
-  are DTensor shards; they load into whatever world size this launch has), or returns ``None``.
+  are DTensor shards; they load into whatever world size this launch has), or returns ``None``. A rank
+  the saved run did not have keeps its freshly seeded noise generator (below).
 * ``--stop-at`` ends a launch early, as a preemption would (the save in flight still completes); launching
   again resumes from the last committed step.
 * Each rank adds noise of its own to its inputs, from a generator seeded per rank. Its state is saved
   under one key, ``"rng"``, on every rank, and each rank gets its own back (per-rank state): a resumed
-  run draws the same noise, so it trains exactly as an uninterrupted one.
+  run on as many ranks draws the same noise, so it trains exactly as an uninterrupted one.
 
 Rank 0 prints the progress: the global loss, how long each save took to stage (the training stall) and to
 become durable.
@@ -94,7 +95,11 @@ async def train(args: argparse.Namespace) -> None:
         )
 
     async with aiockpt.Checkpointer(args.root, keep_last=2) as ckpt:
-        resumed = await ckpt.load(state)  # the latest committed step, or None
+        # A rank the saved run did not have (the world grew) has no generator of its own to resume.
+        grown = bool(ckpt.steps()) and rank >= (await ckpt.metadata()).world_size
+        target = {k: v for k, v in state.items() if not (grown and k == "rng")}
+        resumed = await ckpt.load(target)  # the latest committed step, or None
+        state.update(target)
         torch.set_rng_state(state["rng"])  # type: ignore[arg-type]  # this rank's own, as it saved it
         start = 0 if resumed is None else resumed
         how = "starting from scratch" if resumed is None else f"resumed from step {start}"

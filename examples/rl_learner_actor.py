@@ -189,6 +189,11 @@ def main() -> int:
         "--table-mb", type=float, default=0.0, help="add a lookup table of this many MB to the policy"
     )
     args = parser.parse_args()
+    if args.steps < 1 or args.save_every < 1 or args.table_mb < 0:
+        parser.error("--steps and --save-every must be at least 1, --table-mb not negative")
+    if args.root is not None and Path(args.root).exists() and any(Path(args.root).iterdir()):
+        # A run's steps and its "learner-done" marker would meet the next run's (step 10 exists).
+        parser.error(f"--root {args.root} is not empty: each run starts a new learner")
     root = Path(args.root or tempfile.mkdtemp(prefix="aiockpt-rl-"))
     root.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")

@@ -119,6 +119,12 @@ if __name__ == "__main__":
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--crash-at", type=int, default=70)
     args = parser.parse_args()
+    if args.steps < 2 or args.save_every < 1:
+        parser.error("--steps must be at least 2 and --save-every at least 1")
+    if not 0 < args.crash_at < args.steps:  # (else nothing is interrupted, and nothing resumed)
+        parser.error("--crash-at must lie between 0 and --steps")
+    if args.root is not None and args.root.exists() and any(args.root.iterdir()):
+        parser.error(f"--root {args.root} is not empty: the demo trains from scratch into it")
     torch.set_num_threads(1)
     root = args.root or Path(tempfile.mkdtemp(prefix="aiockpt-sync-"))
     try:

@@ -100,6 +100,59 @@ def test_rl_learner_and_actors(tmp_path: Path) -> None:
         assert versions[-1] == 60, output
 
 
+@pytest.mark.parametrize(
+    ("name", "args", "complaint"),
+    [
+        ("sync_loop.py", ["--crash-at", "100"], "--crash-at must lie between 0 and --steps"),
+        ("sync_loop.py", ["--crash-at", "0"], "--crash-at must lie between 0 and --steps"),
+        ("sync_loop.py", ["--save-every", "0"], "--save-every at least 1"),
+        ("sync_loop.py", ["--root", "{full}"], "is not empty"),
+        ("rl_learner_actor.py", ["--root", "{full}"], "is not empty"),
+    ],
+)
+def test_examples_refuse_options_they_cannot_run_with(
+    tmp_path: Path, name: str, args: list[str], complaint: str
+) -> None:
+    """sync_loop.py with no interruption (--crash-at 0 or past --steps) printed "matches: False" and
+    exited 1; rl_learner_actor.py run again on its root crashed (step 10 exists) with a traceback."""
+    full = tmp_path / "full"
+    (full / "step-00000010").mkdir(parents=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / name), *(a.format(full=full) for a in args)],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert complaint in proc.stderr
+    assert [p.name for p in full.iterdir()] == ["step-00000010"]  # nothing written there
+
+
+@pytest.mark.dist
+def test_distributed_train_resumes_on_more_ranks(tmp_path: Path) -> None:
+    """Its docstring says the state loads into any world size; a third rank had no saved noise generator
+    (per-rank state), and the resume failed with a StateMismatchError on rank 2."""
+    root = tmp_path / "root"
+
+    def launch(ranks: int, steps: int) -> str:
+        torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks))
+        args = ["--root", str(root), "--steps", str(steps), "--save-every", "10"]
+        return run_example(
+            "distributed_train.py", *args, launcher=torchrun, env_extra={"OMP_NUM_THREADS": "1"}
+        )
+
+    launch(2, 10)
+    grown = launch(3, 20)
+    assert "world size 3: resumed from step 10" in grown
+    assert "checkpoint 20 durable" in grown
+
+
 @pytest.mark.dist
 def test_distributed_train_with_torchrun_resumes(tmp_path: Path) -> None:
     root = tmp_path / "root"
