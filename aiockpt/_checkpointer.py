@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
@@ -508,6 +509,7 @@ class Checkpointer:
         self._part: tuple[int, int] | None = None
         # Set once the steps retention last took out of the root are removed (see _remove_later).
         self._removed: anyio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves (see _check_loop)
 
     def __repr__(self) -> str:
         return f"<Checkpointer root={str(self.root)!r} steps={self._steps}>"
@@ -530,6 +532,7 @@ class Checkpointer:
             StorageError: ``root`` cannot be made or listed; where it or an ancestor is a file, not a
                 directory, the message and ``path`` name that file.
         """
+        self._check_loop()
         # Concurrent first calls (saves gathered before any ``async with``) wait for one open: each
         # opening its own would give each save a semaphore of its own, and max_inflight would not hold.
         while not self._opened:
@@ -546,6 +549,29 @@ class Checkpointer:
                 opening.set()
         if self._closed:
             raise CheckpointError(f"the Checkpointer of {self.root} is closed")
+
+    def _check_loop(self) -> None:
+        """Serve the running event loop, refusing it while another one that this Checkpointer served runs.
+
+        Its semaphore, lock and events wake a waiter through the loop it waits on: shared by two loops
+        at once (two threads), a release in one never woke a waiter of the other, which hung. One loop
+        after another (a second ``asyncio.run``) is fine.
+
+        Raises:
+            CheckpointError: Another event loop, still running, has used this Checkpointer.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (another async library: nothing to check)
+            return
+        if loop is self._loop:
+            return
+        if self._loop is not None and self._loop.is_running():
+            raise CheckpointError(
+                f"the Checkpointer of {self.root} is in use by another event loop, which still runs: a "
+                "Checkpointer serves one event loop at a time (make one per loop)"
+            )
+        self._loop = loop
 
     async def _open(self) -> None:
         if self._use_collectives:
@@ -1159,8 +1185,13 @@ class Checkpointer:
     async def wait(self) -> None:
         """Wait until every save in flight has ended (whatever its outcome).
 
-        Also until the steps retention deleted are removed from the disk (see :meth:`_remove_later`).
+        Also until the steps retention deleted are removed from the disk (which goes on in the background,
+        after the save that deleted them has returned).
+
+        Raises:
+            CheckpointError: Another event loop, still running, uses this Checkpointer.
         """
+        self._check_loop()
         while self._inflight or (self._removed is not None and not self._removed.is_set()):
             if not self._inflight:
                 assert self._removed is not None
@@ -1177,9 +1208,13 @@ class Checkpointer:
 
         Saves called before still run (or, with ``cancel=True``, are cancelled, also those still waiting
         for an in-flight slot); a save called once closing has begun raises :class:`CheckpointError`.
+
+        Raises:
+            CheckpointError: Another event loop, still running, uses this Checkpointer.
         """
         if self._closed:
             return
+        self._check_loop()
         self._closing = True
         try:
             if cancel:

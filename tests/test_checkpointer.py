@@ -622,6 +622,35 @@ def test_the_first_two_background_saves_of_an_event_loop_both_run(tmp_path: Path
     assert asyncio.run(main()) == [1, 1]  # a new event loop: its first background saves
 
 
+def test_a_checkpointer_serves_one_running_event_loop_at_a_time(root: Path) -> None:
+    """Used by two event loops at once (two threads), a release of its semaphore in one loop never woke
+    the other's waiter: that loop hung in its save. One loop after another is fine."""
+    ckpt = Checkpointer(root)
+    opened, done = threading.Event(), threading.Event()
+
+    async def first() -> None:
+        await ckpt.save(state_for(1), step=1)
+        opened.set()
+        await anyio.to_thread.run_sync(done.wait)  # this loop still runs
+
+    thread = threading.Thread(target=lambda: asyncio.run(first()))
+    thread.start()
+    try:
+        assert opened.wait(30)
+
+        async def second(step: int) -> None:
+            await ckpt.save(state_for(step), step=step)
+
+        with pytest.raises(aiockpt.CheckpointError, match="in use by another event loop, which still runs"):
+            asyncio.run(second(2))
+    finally:
+        done.set()
+        thread.join(30)
+    asyncio.run(second(3))  # the first loop has ended: this one is served
+    asyncio.run(ckpt.aclose())
+    assert ckpt.steps() == [1, 3]
+
+
 async def test_concurrent_first_calls_open_once_and_share_the_in_flight_limit(
     root: Path, held_commits: anyio.Event
 ) -> None:
