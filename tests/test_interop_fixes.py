@@ -181,6 +181,23 @@ async def test_legacy_torch_files_of_every_pickle_protocol_are_read(tmp_path: Pa
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("protocol", [4, 5])
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+async def test_a_framed_pickle_is_refused_for_its_protocol_not_its_objects(
+    tmp_path: Path, protocol: int, zipped: bool
+) -> None:
+    """A file of a tensor and an int pickled with protocol 4 or 5 was said to hold "objects that
+    torch.load(weights_only=True) refuses (Unsupported operand 149; unpickling it can run code)"."""
+    path = tmp_path / "framed.pt"
+    torch.save(
+        {"w": torch.ones(2), "step": 7}, path, _use_new_zipfile_serialization=zipped, pickle_protocol=protocol
+    )
+    with pytest.raises(aiockpt.StateError, match="pickled with protocol 4 or 5") as info:
+        await aiockpt.read(path)
+    assert "holds objects" not in str(info.value)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 @pytest.mark.parametrize("protocol", [2, 3])
 async def test_a_legacy_torch_file_cut_anywhere_is_damage(tmp_path: Path, protocol: int) -> None:
     """Cut in its pickles, it gave a FormatError ("index out of range", "unpack requires a buffer"), or a

@@ -179,6 +179,8 @@ _ADVICE = (
     "Check the doc",
 )
 _MAX_REASON = 300
+# torch's weights-only unpickler knows no FRAME opcode (149, 0x95), which protocols 4 and 5 start with.
+_FRAMED = re.compile(r"\bUnsupported operand 149\b")
 # data.pkl holds only the structure (a few hundred bytes per tensor): a larger one is not walked.
 _MAX_PICKLE = 1 << 28
 
@@ -206,6 +208,12 @@ def _refused(path: Path, message: str) -> StateError:
     (:func:`_holders`), the keys of the values that need that global.
     """
     name, reason = _reason(message)
+    if _FRAMED.search(reason):
+        return StateError(
+            f"{path} is pickled with protocol 4 or 5, whose framing torch.load(weights_only=True) cannot "
+            f"read ({reason}): pass allow_pickle=True (--allow-pickle on the command line) if you trust "
+            "this file, or save it again with torch.save's default protocol"
+        )
     paths = _holders(path, name) if name is not None else []
     keys = [render(p) for p in paths]
     if not keys:
