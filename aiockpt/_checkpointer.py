@@ -54,6 +54,8 @@ from ._threads import run_sync
 from ._world import LocalWorld, World, part_of, resolve_world
 
 OnBusy = Literal["wait", "skip", "error"]
+"""What a save does while ``max_inflight`` saves are in flight (``Checkpointer(on_busy=...)``): ``"wait"``
+for a slot, ``"skip"`` itself (its handle says so), or raise :class:`BusyError` (``"error"``)."""
 T = TypeVar("T")
 
 LATEST = "latest"

@@ -121,9 +121,9 @@ class SaveMetrics:
     staged_bytes: int = 0
     written_bytes: int = 0
     direct_bytes: int = 0
-    _t0: float = field(default_factory=time.perf_counter, repr=False)
-    _mark: float = field(default=0.0, repr=False)
-    _waited: float = field(default=0.0, repr=False)  # in the running phase, not counted in it
+    _t0: float = field(default_factory=time.perf_counter, init=False, repr=False)
+    _mark: float = field(default=0.0, init=False, repr=False)
+    _waited: float = field(default=0.0, init=False, repr=False)  # in the running phase, not counted in it
 
     def phase(self, name: str) -> None:
         """Close the running phase as ``name`` (less what it waited, see :meth:`waiting`)."""

@@ -303,7 +303,9 @@ async def verify(
         CheckpointNotFoundError: ``path`` is not a committed checkpoint (no manifest, or parts missing),
             or it was deleted while it was verified (by another process's retention: its files went
             missing, which is no damage).
-        FormatError: The manifest is not an aiockpt manifest, or has a newer format version.
+        FormatError: The manifest matches its checksum but holds what no save writes, or has a newer
+            format version (a damaged manifest, or a file of another kind in its place, is a problem of
+            the report).
         StorageError: A data file exists but cannot be opened.
         CheckpointError: ``path`` is empty, or an ``s3://`` URL.
     """

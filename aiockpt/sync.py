@@ -475,11 +475,24 @@ class Checkpointer:
         return self._call(lambda: self._ckpt.metadata(step))
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first."""
+        """Committed steps, oldest first, listed afresh.
+
+        As :meth:`refresh` does; the async :meth:`aiockpt.Checkpointer.steps` gives those of its last
+        listing, without I/O.
+
+        Raises:
+            StorageError: ``root`` cannot be listed (it was removed, say).
+            CheckpointError: The Checkpointer is closed.
+        """
         return self._call(self._ckpt.refresh)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or ``None``."""
+        """The newest committed step, listed afresh (see :meth:`steps`), or ``None``.
+
+        Raises:
+            StorageError: ``root`` cannot be listed (it was removed, say).
+            CheckpointError: The Checkpointer is closed.
+        """
         steps = self.steps()
         return steps[-1] if steps else None
 
