@@ -437,3 +437,71 @@ async def test_an_unpickling_failure_names_its_key(ckpt_path: Path, monkeypatch:
     with pytest.raises(aiockpt.StateError, match=r"cannot unpickle .*Gone at key 'nested/g'") as info:
         await aiockpt.read(ckpt_path, allow_pickle=True)
     assert info.value.key == "nested/g"
+
+
+class _Gain(torch.nn.Module):
+    """A module whose state-dict format changed: version 1 stored log(scale), version 2 stores scale and
+    migrates older state dicts when loaded (as torch documents ``_version`` for)."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors
+    ) -> None:
+        version = local_metadata.get("version")
+        if (version is None or version < 2) and prefix + "scale" in state_dict:
+            state_dict[prefix + "scale"] = state_dict[prefix + "scale"].exp()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+
+async def test_a_versioned_module_is_handed_its_state_dict_versions(tmp_path: Path) -> None:
+    """The dict handed to load_state_dict had no ``_metadata``, so a module that migrates older state
+    dicts took the checkpoint's current values for an old format's (scale came back as exp(scale))."""
+    linear, gain = torch.nn.Linear(2, 2), _Gain()
+    with torch.no_grad():
+        gain.scale.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    await aiockpt.save({"model": torch.nn.Sequential(linear, gain)}, tmp_path / "c")
+    fresh_linear, fresh_gain = torch.nn.Linear(2, 2), _Gain()
+    await aiockpt.load({"model": torch.nn.Sequential(fresh_linear, fresh_gain)}, tmp_path / "c")
+    assert torch.equal(fresh_gain.scale, gain.scale)
+    assert torch.equal(fresh_linear.weight, linear.weight)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("groups", ["fewer groups", "fewer params"])
+async def test_an_optimizer_whose_param_groups_differ_is_refused_before_anything_is_read(
+    tmp_path: Path, strict: bool, groups: str
+) -> None:
+    """torch's load_state_dict refuses param groups of another number (or size), but only once the load
+    had filled the optimizer's moments, and the model, in place: a StateError left both half loaded."""
+
+    def build(split: bool) -> tuple[torch.nn.Module, torch.nn.Linear, torch.optim.Optimizer]:
+        first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+        model = torch.nn.Sequential(first, second)
+        params = [{"params": first.parameters()}, {"params": second.parameters()}]
+        if not split:
+            params = [{"params": model.parameters()}] if groups == "fewer groups" else params[:1]
+        optim = torch.optim.Adam(params, lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+        return model, first, optim
+
+    model, first, optim = build(split=True)
+    await aiockpt.save({"model": model, "optim": optim}, tmp_path / "c")
+    target, target_first, target_optim = build(split=False)
+    before_w = target_first.weight.detach().clone()
+    before_m = target_optim.state[target_first.weight]["exp_avg"].clone()
+    if strict:
+        with pytest.raises(StateMismatchError, match=r"optim/param_groups: .*the checkpoint") as info:
+            await aiockpt.load({"model": target, "optim": target_optim}, tmp_path / "c")
+        assert keys_of(info.value) == ["optim/param_groups"]
+        assert torch.equal(target_first.weight, before_w)  # nothing was loaded
+    else:
+        with pytest.warns(StateMismatchWarning, match="optim/param_groups"):
+            await aiockpt.load({"model": target, "optim": target_optim}, tmp_path / "c", strict=False)
+        assert torch.equal(target_first.weight, first.weight)  # what matches is loaded
+    assert torch.equal(target_optim.state[target_first.weight]["exp_avg"], before_m)  # the optimizer is not

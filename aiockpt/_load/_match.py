@@ -253,6 +253,11 @@ class _Matcher:
         if isinstance(obj, torch.nn.Module):
             node = _rewrapped(node, template)
         if isinstance(obj, torch.optim.Optimizer):
+            if (unfit := _unfit_groups(node, obj)) is not None:
+                # Its load_state_dict would refuse them, once the load had filled its state (and the
+                # model's) in place: a difference now, so that nothing is read.
+                self.diff(f"{render((*path, 'param_groups'))}: {unfit}")
+                return obj
             self.note_params(obj, template, path)
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
             self.schedulers.add(path)
@@ -276,6 +281,13 @@ class _Matcher:
             loose = True
         elif isinstance(obj, torch.nn.Module):
             loose = _takes_strict(obj)  # (an override of its own: called as its signature says)
+        if isinstance(obj, torch.nn.Module) and hasattr(template, "_metadata"):
+            # Each submodule's state-dict version, which its _load_from_state_dict reads: without it, a
+            # module that migrates old checkpoints (``_version``) took the values for an old format's. The
+            # target's own, as DCP gives: the checkpoint was saved from the same classes, or it would not
+            # match. (A checkpoint stores no versions.)
+            sd = collections.OrderedDict(sd)
+            sd._metadata = template._metadata  # type: ignore[attr-defined]
         self.plan.statefuls.append((obj, sd, path, loose))
         return obj
 
@@ -683,6 +695,30 @@ def plain_unpickle(data: bytes) -> object:
         Exception: ``data`` is no pickle (what ``pickle`` raises for it).
     """
     return _NothingImported(io.BytesIO(data)).load()
+
+
+def _unfit_groups(node: DictNode, opt: torch.optim.Optimizer) -> str | None:
+    """Why the checkpoint's param groups cannot be loaded into ``opt``, or ``None``.
+
+    As ``Optimizer.load_state_dict`` refuses them: another number of groups, or of parameters in a group.
+    """
+    if "param_groups" not in node.keys:
+        return None
+    saved = node.values[node.keys.index("param_groups")]
+    if not isinstance(saved, ListNode):
+        return None
+    live = opt.param_groups
+    if len(saved.items) != len(live):
+        return f"the target has {len(live)} param group(s), the checkpoint {len(saved.items)}"
+    for i, (group, mine) in enumerate(zip(saved.items, live, strict=True)):
+        if isinstance(group, DictNode) and "params" in group.keys:
+            params = group.values[group.keys.index("params")]
+            if isinstance(params, ListNode) and len(params.items) != len(mine["params"]):
+                return (
+                    f"group {i} of the target has {len(mine['params'])} parameter(s), the checkpoint's "
+                    f"{len(params.items)}"
+                )
+    return None
 
 
 def _stock_loading(module: torch.nn.Module) -> bool:
