@@ -250,11 +250,10 @@ def _as_this_thread(call: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[
 class SyncSaveHandle:
     """A save in flight, seen from synchronous code."""
 
-    def __init__(self, handle: SaveHandle, portal: BlockingPortal, thread: threading.Thread) -> None:
+    def __init__(self, handle: SaveHandle, portal: BlockingPortal) -> None:
         self._handle = handle
         self._portal = portal
-        self._thread = thread  # the event-loop thread the save runs on
-        self._pid = os.getpid()
+        self._pid = os.getpid()  # (a forked child has no event-loop thread)
 
     def __repr__(self) -> str:
         return repr(self._handle).replace("<SaveHandle", "<SyncSaveHandle", 1)
@@ -322,21 +321,19 @@ class SyncSaveHandle:
             raise TimeoutError(f"the save of step {self._handle.step} is not durable yet") from None
 
     def _check_reachable(self) -> None:
-        """Refuse a save whose event-loop thread is gone, as in a forked child.
+        """Refuse a save of another process: in a forked child, which has no event-loop thread.
 
         There the copy of the handle would wait for ever: handing a call to a portal whose thread is not
         there blocks.
 
         Raises:
-            CheckpointError: This process is a fork of the one saving (or the thread has died).
+            CheckpointError: This process is a fork of the one saving.
         """
         if os.getpid() != self._pid:
             raise CheckpointError(
                 f"the save of step {self._handle.step} runs in process {self._pid}, of which this process "
                 "is a fork: its handle serves that process only"
             )
-        if not self._thread.is_alive():
-            raise CheckpointError(f"the save of step {self._handle.step} lost its event-loop thread")
 
 
 class Checkpointer:
@@ -453,7 +450,7 @@ class Checkpointer:
             handle = self._call(
                 _as_this_thread(lambda: self._ckpt.save(state, step=step, async_op=True, metadata=metadata))
             )
-            return SyncSaveHandle(handle, self._portal, self._thread)
+            return SyncSaveHandle(handle, self._portal)
         return self._call(_as_this_thread(lambda: self._ckpt.save(state, step=step, metadata=metadata)))
 
     def reserve(self, state: Mapping[str, object]) -> int:

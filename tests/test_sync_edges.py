@@ -117,21 +117,26 @@ ckpt.save({"w": torch.ones(1 << 22)}, step=1, async_op=True)
 """
 
 
-def test_an_unclosed_facade_finishes_its_saves_at_exit(tmp_path: Path) -> None:
-    """A script that ends without closing used to lose the save in flight (its thread was a daemon,
-    stopped mid-write), leaving temp data instead of the checkpoint."""
-    script = tmp_path / "exits.py"
-    script.write_text(EXITS_UNCLOSED)
-    root = tmp_path / "run"
+def run_script(tmp_path: Path, text: str, root: Path) -> subprocess.CompletedProcess[str]:
+    """Run the Python program ``text`` on ``root`` in a child that imports the aiockpt under test."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script), str(root)],
         env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=45,
         check=False,
     )
+
+
+def test_an_unclosed_facade_finishes_its_saves_at_exit(tmp_path: Path) -> None:
+    """A script that ends without closing used to lose the save in flight (its thread was a daemon,
+    stopped mid-write), leaving temp data instead of the checkpoint."""
+    root = tmp_path / "run"
+    proc = run_script(tmp_path, EXITS_UNCLOSED, root)
     assert proc.returncode == 0, proc.stderr
     assert exists(root / "step-00000001" / "manifest.msgpack"), sorted(os.listdir(root))
     assert tmp_entries(root) == []
@@ -410,17 +415,7 @@ def test_a_forked_child_is_refused_the_parents_save_handle_and_checkpointer(tmp_
     """A child forked during a background save waited for ever in ``handle.result(timeout=2)`` and
     ``handle.cancel()`` (the portal's thread is not in the child; the timeout applied only after the
     hand-over), and its Checkpointer said "closed"."""
-    script = tmp_path / "forked.py"
-    script.write_text(FORKED)
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "root")],
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=45,
-        check=False,
-    )
+    proc = run_script(tmp_path, FORKED, tmp_path / "root")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 4, proc.stdout
