@@ -401,7 +401,7 @@ class _Matcher:
             if unwanted and i in unwanted:
                 continue
             try:
-                dtype = _dtype(entry.dtype)
+                dtype = dtype_from_name(entry.dtype)
             except ValueError:
                 continue
             wanted.setdefault((dtype, entry.shape), []).append(i)
@@ -568,7 +568,7 @@ class _Matcher:
         if dest is None:
             dtensor = self.dtensor
             try:
-                dtype_ = _dtype(entry.dtype)
+                dtype_ = dtype_from_name(entry.dtype)
             except ValueError:
                 self.diff(f"{render(path)}: dtype {entry.dtype} is unknown to this torch")
                 return None
@@ -637,9 +637,6 @@ class _Matcher:
         except Exception as exc:
             key = render(path)
             raise StateError(f"cannot unpickle {node.type_name} at key {key!r}: {exc}", key=key) from exc
-
-
-_DTYPES: dict[str, torch.dtype] = {}
 
 
 # What wrappers put before the names of a module's state: ``torch.compile``'s ``OptimizedModule`` and
@@ -779,13 +776,6 @@ def _rewrapped(node: DictNode, template: Mapping[str, object]) -> DictNode:
         return node  # two names alike but for wrappers: which is which is unknown
     keys = tuple(cast("Key", wanted.get(b, k)) for b, k in zip(bare, node.keys, strict=True))
     return DictNode(keys=keys, values=node.values, origin=node.origin)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = _DTYPES.get(name)
-    if dtype is None:
-        dtype = _DTYPES[name] = dtype_from_name(name)
-    return dtype
 
 
 class _Slabs:
@@ -945,7 +935,7 @@ class _DataFiles:
             if (c.offsets, c.sizes) not in boxes:  # (a box listed twice is read once)
                 boxes.add((c.offsets, c.sizes))
                 stored += c.nbytes
-        need = math.prod(entry.shape) * _dtype(entry.dtype).itemsize
+        need = math.prod(entry.shape) * dtype_from_name(entry.dtype).itemsize
         if stored < need:
             raise CorruptionError(
                 f"{self.directory} does not hold all of key {key!r} (global shape {list(entry.shape)}): its "
