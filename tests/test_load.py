@@ -172,6 +172,44 @@ async def test_an_older_torchs_nested_schedulers_load_strictly(ckpt_path: Path) 
     assert (sched2.last_epoch, sched2.get_last_lr()) == (3, sched.get_last_lr())
 
 
+async def test_a_sequential_scheduler_over_a_tensor_lr_resumes_strictly(ckpt_path: Path) -> None:
+    """Its _last_lr tensors are its first child's when built, its current child's once past a milestone.
+
+    Loaded in place, the fresh target tied the first child's tensor to its own where the checkpoint ties
+    the second's: a difference. Read fresh and handed over, as torch.load gives them, training goes on
+    exactly as it would have.
+    """
+
+    Run = tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.SequentialLR]
+
+    def build(seed: int) -> Run:
+        model = make_model(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+        first = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2)
+        second = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+        return model, opt, torch.optim.lr_scheduler.SequentialLR(opt, [first, second], milestones=[2])
+
+    def train(run: Run, steps: range) -> None:
+        for i in steps:
+            train_step(*run, i)
+
+    trained = build(0)
+    train(trained, range(3))
+    await aiockpt.save(dict(zip(("model", "opt", "sched"), trained, strict=True)), ckpt_path)
+    resumed = build(1)
+    sched = resumed[2]
+    assert sched._last_lr[0] is sched._schedulers[0]._last_lr[0]  # (what made the difference)
+    await aiockpt.load(dict(zip(("model", "opt", "sched"), resumed, strict=True)), ckpt_path)
+    assert sched._last_lr[0] is sched._schedulers[1]._last_lr[0]  # tied as saved
+    assert resumed[1].param_groups[0]["lr"] is not sched._last_lr[0]  # the optimizer keeps its own
+
+    train(trained, range(3, 6))
+    train(resumed, range(3, 6))
+    assert_tree_equal(resumed[0].state_dict(), trained[0].state_dict())
+    assert_tree_equal(resumed[1].state_dict(), trained[1].state_dict())
+    assert sched.get_last_lr() == trained[2].get_last_lr()
+
+
 def _wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
     if how == "both":
         model = torch.nn.DataParallel(model)

@@ -199,6 +199,8 @@ class _Matcher:
         # Containers of the user's own state are updated in place (others may hold references to them);
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
         self.inside_stateful = 0
+        # Within an LR scheduler's state dict: its tensors (a tensor lr's) are read fresh, not in place.
+        self.inside_scheduler = 0
         self.params: dict[KeyPath, torch.Tensor] = {}
         # The key paths of the optimizers' ``state`` mappings (see ``_ids``).
         self.states: set[KeyPath] = set()
@@ -259,7 +261,8 @@ class _Matcher:
                 self.diff(f"{render((*path, 'param_groups'))}: {unfit}")
                 return obj
             self.note_params(obj, template, path)
-        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        scheduler = isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
+        if scheduler:
             self.schedulers.add(path)
             nested = template.get("_schedulers")  # SequentialLR's and ChainedScheduler's, saved within
             if isinstance(nested, list):
@@ -267,10 +270,12 @@ class _Matcher:
         # A module's state dict lists every entry it has; other Statefuls may grow entries lazily.
         complete = isinstance(obj, torch.nn.Module)
         self.inside_stateful += 1
+        self.inside_scheduler += scheduler
         try:
             sd = self.mapping(node, template, path, create=not complete)
         finally:
             self.inside_stateful -= 1
+            self.inside_scheduler -= scheduler
         loose = False
         if isinstance(obj, torch.nn.Module) and _stock_loading(obj):
             # Tensors read in place into the module's own memory need no second copy: hand over the rest.
@@ -511,6 +516,12 @@ class _Matcher:
                     _tie(dest, local, box.offsets)
             return tmpl
         if isinstance(tmpl, torch.Tensor):
+            if self.inside_scheduler:
+                # A scheduler's load_state_dict replaces its attributes with what it is given (as
+                # after torch.load), and its tensors (a tensor lr's) are not memory to fill in place:
+                # a freshly built SequentialLR shares its first child's _last_lr tensors, a trained one
+                # its current child's. Read fresh, they come back tied as they were saved.
+                return self.fresh(node, path)
             return self.in_place(node, tmpl, path)
         if tmpl is not MISSING:
             self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a tensor")
