@@ -22,6 +22,7 @@ are available as attributes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class CheckpointError(Exception):
@@ -92,6 +93,19 @@ class StateMismatchError(StateError):
         super().__init__(
             f"checkpoint and state{where} differ in {len(self.differences)} place(s):\n  {lines}"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # ``BaseException.__reduce__`` rebuilds as ``cls(*self.args)``, that is from the message, which
+        # this constructor would split into one difference per character (and lose the rank). Rebuild
+        # from the differences instead; ``__dict__`` (rank, notes, attributes set later) follows as state.
+        return (_rebuild_mismatch, (type(self), self.differences, self.rank), self.__dict__)
+
+
+def _rebuild_mismatch(
+    cls: type[StateMismatchError], differences: Sequence[str], rank: int | None
+) -> StateMismatchError:
+    """Rebuild a pickled or copied :class:`StateMismatchError` (module level, so pickle can name it)."""
+    return cls(differences, rank=rank)
 
 
 class StateMismatchWarning(UserWarning):
