@@ -22,7 +22,7 @@ def _subclasses(cls: type[CheckpointError]) -> set[type[CheckpointError]]:
 
 # One instance of each error, built with the arguments aiockpt passes where it raises it.
 EXAMPLES: dict[type[CheckpointError], CheckpointError] = {
-    CheckpointError: CheckpointError("S3Options.part_size must be positive, not 0"),
+    CheckpointError: CheckpointError("S3Options.part_size must be an int from 1 to 2**40, not 0"),
     aiockpt.CheckpointNotFoundError: aiockpt.CheckpointNotFoundError("no checkpoint at /tmp/x"),
     aiockpt.CheckpointExistsError: aiockpt.CheckpointExistsError("step 3 exists in /tmp/run"),
     aiockpt.FormatError: aiockpt.FormatError("cannot decode the manifest", file="/tmp/x/manifest"),

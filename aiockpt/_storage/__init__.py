@@ -15,8 +15,15 @@ from pathlib import Path
 
 from .._errors import CheckpointError
 from .._fs import absolute
+from .._options import _is_int
 
 SCHEME = "s3://"
+
+# Upper bounds of S3Options' fields, far past any useful setting: the client holds a timeout as a
+# timedelta (under 10**14 s) and a count in a 64-bit integer.
+_MAX_SECONDS = 10**9  # 31 years
+_MAX_COUNT = 2**32
+_MAX_PART = 1 << 40
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +38,9 @@ class S3Options:
         endpoint: The endpoint URL of a non-AWS store (MinIO, Ceph, a test server).
         region: The bucket's region.
         part_size: Bytes per multipart-upload part; smaller data objects go up in one request. Stores
-            require at least 5 MiB for every part but the last.
+            require at least 5 MiB for every part but the last (AWS S3; others let it be configured): a
+            store refuses smaller parts when the save uploads them, with a
+            :class:`~aiockpt.StorageError`. They are not refused here, for stores that take them.
         concurrency: Requests in flight at once per rank: parts of an upload, ranged reads of a load.
         max_retries: Retries of a failed request (5xx, throttling, dropped connections), with
             exponential backoff and jitter.
@@ -64,16 +73,37 @@ class S3Options:
     lease_timeout: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.part_size < 1:
-            raise CheckpointError(f"S3Options.part_size must be positive, not {self.part_size}")
-        if self.concurrency < 1:
-            raise CheckpointError(f"S3Options.concurrency must be at least 1, not {self.concurrency}")
-        if self.max_retries < 0 or self.retry_timeout < 0 or self.stale_after < 0:
-            raise CheckpointError("S3Options.max_retries, retry_timeout and stale_after must be >= 0")
-        if not self.lease_timeout > 0:
-            raise CheckpointError(f"S3Options.lease_timeout must be positive, not {self.lease_timeout}")
-        if not self.request_timeout > 0:
-            raise CheckpointError(f"S3Options.request_timeout must be positive, not {self.request_timeout}")
+        # Types are checked too: values often come from a config file ("8MB", "60"), and a float where
+        # the client wants an int (or nan, inf) made the save fail with a bare TypeError or ValueError.
+        for name in ("endpoint", "region"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise CheckpointError(f"S3Options.{name} must be a non-empty str or None, not {value!r}")
+        for name, low, high, said in (
+            ("part_size", 1, _MAX_PART, "2**40"),
+            ("concurrency", 1, _MAX_COUNT, "2**32"),
+            ("max_retries", 0, _MAX_COUNT, "2**32"),
+        ):
+            value = getattr(self, name)
+            if not (_is_int(value) and low <= value <= high):
+                raise CheckpointError(f"S3Options.{name} must be an int from {low} to {said}, not {value!r}")
+        for name, positive in (
+            ("retry_timeout", False),
+            ("request_timeout", True),
+            ("stale_after", False),
+            ("lease_timeout", True),
+        ):
+            value = getattr(self, name)
+            if not (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and (value > 0 if positive else value >= 0)  # (nan is neither)
+                and value <= _MAX_SECONDS
+            ):
+                least = "positive" if positive else "non-negative"
+                raise CheckpointError(
+                    f"S3Options.{name} must be a {least} number of seconds, at most 10**9, not {value!r}"
+                )
 
 
 @dataclass(frozen=True)
