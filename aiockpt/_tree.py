@@ -6,11 +6,12 @@ event loop. Pure apart from those calls.
 
 from __future__ import annotations
 
+import collections
 import pickle
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -46,8 +47,10 @@ class Stateful(Protocol):
         """Return the object's state as a mapping."""
         ...
 
-    def load_state_dict(self, state_dict: Mapping[str, object], /) -> object:
-        """Restore the object's state from a mapping."""
+    # (A dict, as aiockpt hands over: torch's optimizers and schedulers take ``dict[str, Any]``, which a
+    # parameter typed ``Mapping`` here would not match, a parameter type being contravariant.)
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> object:
+        """Restore the object's state from a dict."""
         ...
 
 
@@ -62,6 +65,7 @@ def is_stateful(obj: object) -> bool:
 
 
 _PLAIN = frozenset({int, float, bool, str, bytes, complex, type(None)})
+_BUILTIN_CONTAINERS = frozenset({dict, list, tuple, collections.OrderedDict, collections.defaultdict})
 
 
 def spelled_int(key: object) -> int | None:
@@ -90,8 +94,29 @@ def nested(obj: object) -> Iterator[object]:
 
 
 def render(path: KeyPath) -> str:
-    """Render a key path for messages: ``("optim", "state", 0, "exp_avg")`` -> ``optim/state/0/exp_avg``."""
-    return "/".join(str(k) for k in path) if path else "<root>"
+    """Render a key path for messages: ``("optim", "state", 0, "exp_avg")`` -> ``optim/state/0/exp_avg``.
+
+    A str key that would read as something else is quoted as Python writes it (``x/'0'`` is the str key
+    ``"0"``, ``x/0`` the int key; ``'a/b'`` one key, ``a/b`` two; an empty key, one with a control
+    character or surrounding spaces); every other key is written as it is.
+    """
+    return "/".join(map(_key_text, path)) if path else "<root>"
+
+
+def _key_text(key: Key) -> str:
+    if type(key) is not str:
+        return str(key)
+    if (
+        key
+        and key.isprintable()
+        and key.strip() == key
+        and "/" not in key
+        and not (key.isascii() and key.lstrip("-").isdigit())
+        and key != "<root>"
+        and key[0] not in "'\""
+    ):
+        return key
+    return repr(key)
 
 
 def a_or_an(noun: str) -> str:
@@ -343,15 +368,20 @@ class _Flattener:
         return self.fallback(obj, path)
 
     def container(self, obj: object, path: KeyPath) -> Node:
+        # A Stateful is saved through its state_dict() even where it is a mapping or a sequence too
+        # (a load hands such an object its state, as DCP saves it); the builtin containers are none.
+        if type(obj) not in _BUILTIN_CONTAINERS and is_stateful(obj):
+            return self.stateful(obj, path)
         if isinstance(obj, Mapping):
             return self.mapping(obj, path, origin=None)
         if type(obj) is list:
             return ListNode(items=tuple(self.node(v, (*path, i)) for i, v in enumerate(obj)))
         if type(obj) is tuple:
             return TupleNode(items=tuple(self.node(v, (*path, i)) for i, v in enumerate(obj)))
-        if isinstance(obj, (list, tuple)):  # subclasses (namedtuple, torch.Size) would lose their type
-            return self.fallback(obj, path)
-        assert is_stateful(obj)
+        assert isinstance(obj, (list, tuple))  # subclasses (namedtuple, torch.Size) would lose their type
+        return self.fallback(obj, path)
+
+    def stateful(self, obj: object, path: KeyPath) -> DictNode:
         try:
             sd = obj.state_dict()  # type: ignore[attr-defined]
         except Exception as exc:  # (not BaseException: KeyboardInterrupt, SystemExit, cancellation pass)
@@ -462,6 +492,7 @@ def flatten(state: Mapping[str, object], *, allow_pickle: bool) -> Flattened:
     if not isinstance(state, Mapping):
         raise StateError(f"the state must be a mapping with str keys, not {type_name(state)}")
     f = _Flattener(allow_pickle)
+    f.active.add(id(state))  # (a cycle through the top: at the key that reaches it again)
     tree = f.mapping(cast("Mapping[object, object]", state), (), origin=None)
     flat = Flattened(tree=tree, tensors=f.tensors, paths=f.paths, boxes=f.boxes)
     box: list[object] = [f]  # its index of tied storages, one entry per tensor, freed in slices

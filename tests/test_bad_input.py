@@ -11,7 +11,7 @@ import re
 import threading
 from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -620,6 +620,13 @@ async def test_cyclic_state_is_refused(ckpt_path: Path) -> None:
         await aiockpt.save({"a": inner}, ckpt_path)
     assert not exists(ckpt_path)
 
+    top: dict[str, object] = {}
+    top["self"] = top
+    with pytest.raises(StateError, match="cycle at key 'self'") as info:  # (not self/self)
+        await aiockpt.save(top, ckpt_path)
+    assert info.value.key == "self"
+    assert not exists(ckpt_path)
+
 
 # --- Keys never become paths ----------------------------------------------------------------------------
 
@@ -763,7 +770,8 @@ async def test_metadata_at_the_edges_of_what_a_manifest_holds_is_kept(ckpt_path:
             "key 18446744073709551616",
         ),
         ({"by_id": {-(2**63) - 1: torch.ones(4)}}, "by_id/-9223372036854775809", "key -9223372036854775809"),
-        ({"files": {"name\udcff.bin": torch.ones(4)}}, "files/name\udcff.bin", "key 'name\\udcff.bin'"),
+        # (a key not printable as it is is quoted, escaped, in the key path)
+        ({"files": {"name\udcff.bin": torch.ones(4)}}, "files/'name\\udcff.bin'", "key 'name\\udcff.bin'"),
         ({"w": torch.ones(4), "cfg": {"path": "/data/\udcff"}}, "cfg/path", "at key 'cfg/path'"),
         ({"w": torch.ones(4), "cfg": ["ok", "\ud800"]}, "cfg/1", "at key 'cfg/1'"),
     ],
@@ -797,6 +805,56 @@ def test_a_class_is_never_a_stateful() -> None:
     assert not is_stateful(torch.optim.AdamW)
     assert not is_stateful(torch.nn.Linear)
     assert is_stateful(torch.nn.Linear(1, 1))
+
+
+def test_torchs_modules_optimizers_and_schedulers_are_statefuls_to_a_type_checker() -> None:
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    # (mypy checks these: a load_state_dict typed to take a Mapping matched no optimizer or scheduler)
+    typed: list[aiockpt.Stateful] = [model, opt, torch.optim.lr_scheduler.StepLR(opt, 1)]
+    assert all(map(is_stateful, typed))
+
+
+class _Batches(dict[str, torch.Tensor]):
+    """A mapping that is a Stateful too (as a TensorDict is): saved and loaded through its state dict."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(x=torch.zeros(size))
+        self.size = size
+
+    def state_dict(self) -> dict[str, object]:
+        return {"size": self.size, "data": dict(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.size = state["size"]
+        self.clear()
+        self.update(state["data"])
+
+
+class _History(list[float]):
+    """A list that is a Stateful too."""
+
+    def state_dict(self) -> dict[str, object]:
+        return {"values": list(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self[:] = state["values"]
+
+
+async def test_a_mapping_or_list_that_is_a_stateful_is_saved_through_its_state_dict(ckpt_path: Path) -> None:
+    """Saved as a container, it was loaded through state_dict() (the keys differed), or refused."""
+    batches, history = _Batches(3), _History([0.5, 0.25])
+    batches["x"] += 1
+    await aiockpt.save({"b": batches, "h": history}, ckpt_path)
+    assert_tree_equal(
+        await aiockpt.read(ckpt_path),
+        {"b": {"size": 3, "data": {"x": torch.ones(3)}}, "h": {"values": [0.5, 0.25]}},
+    )
+    batches2, history2 = _Batches(2), _History()
+    await aiockpt.load({"b": batches2, "h": history2}, ckpt_path)  # strict
+    assert batches2.size == 3
+    assert torch.equal(batches2["x"], torch.ones(3))  # (a tensor of another size: read fresh)
+    assert history2 == [0.5, 0.25]
 
 
 async def test_a_stateful_class_is_a_plain_object_refused_or_pickled(ckpt_path: Path) -> None:

@@ -141,6 +141,65 @@ async def test_a_statefuls_list_of_another_length_is_the_checkpoints(ckpt_path: 
         assert target.values == [0.9, 0.7, 0.8]
 
 
+class _Replay:
+    """A Stateful holding a tensor whose length grows (a replay buffer): its load_state_dict replaces it."""
+
+    def __init__(self, rows: int) -> None:
+        self.obs = torch.zeros(rows, 2)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"obs": self.obs}
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self.obs = cast("torch.Tensor", state_dict["obs"])
+
+
+async def test_a_statefuls_tensor_of_another_shape_is_the_checkpoints(ckpt_path: Path) -> None:
+    """It was a difference (the target's tensor filled in place must fit), where torch.load hands it over."""
+    saved = _Replay(5)
+    saved.obs += torch.arange(5.0)[:, None]
+    await aiockpt.save({"buffer": saved}, ckpt_path)
+    for target in (_Replay(0), _Replay(7)):
+        await aiockpt.load({"buffer": target}, ckpt_path)  # strict
+        assert torch.equal(target.obs, saved.obs)
+    fits = _Replay(5)
+    own = fits.obs
+    await aiockpt.load({"buffer": fits}, ckpt_path)
+    assert fits.obs is own  # (one that fits is still filled in place)
+    assert torch.equal(own, saved.obs)
+
+
+class _Scaled(torch.nn.Module):
+    """A module whose extra state is opaque to torch: a serialized blob, empty before first use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.history: list[float] = []
+
+    def get_extra_state(self) -> object:
+        if not self.history:
+            return {"blob": torch.empty(0, dtype=torch.uint8), "history": []}
+        return {"blob": torch.tensor(self.history).view(torch.uint8), "history": list(self.history)}
+
+    def set_extra_state(self, state: object) -> None:
+        blob = cast("dict[str, torch.Tensor]", state)["blob"]
+        self.history = blob.view(torch.float32).tolist()
+        assert self.history == cast("dict[str, list[float]]", state)["history"]
+
+
+async def test_a_modules_extra_state_is_handed_over_as_saved(ckpt_path: Path) -> None:
+    """torch hands set_extra_state what get_extra_state gave, whatever its shape; aiockpt matched it against
+    the target's current extra state (a blob of another length, a list of another length: a difference)."""
+    saved = _Scaled()
+    saved.history = [0.5, 0.25, 0.125]
+    await aiockpt.save({"m": saved}, ckpt_path)
+    target = _Scaled()
+    await aiockpt.load({"m": target}, ckpt_path)  # strict
+    assert target.history == [0.5, 0.25, 0.125]
+    assert torch.equal(target.lin.weight, saved.lin.weight)
+
+
 def _adam_stepped(params_with_grad: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))

@@ -14,6 +14,7 @@ Entries that a Stateful's ``state_dict()`` lacks are created from the checkpoint
 from __future__ import annotations
 
 import collections
+import enum
 import inspect
 import io
 import math
@@ -65,6 +66,36 @@ class _Missing:
 
 
 MISSING = _Missing()
+
+
+class _Owner(enum.Enum):
+    """The kind of Stateful whose state dict holds a value: what a target tensor there is to a load.
+
+    A module's and an optimizer's tensors are filled in place, and must fit; an LR scheduler's are read
+    fresh (see :meth:`_Matcher.in_place`); another Stateful's are filled in place where they fit, read
+    fresh where they do not (its state may grow, as its entries may).
+    """
+
+    NONE = "none"
+    MODULE = "module"
+    OPTIMIZER = "optimizer"
+    SCHEDULER = "scheduler"
+    OTHER = "other"
+
+
+_EXTRA_STATE = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+
+
+def _opaque_extra_state(sd: Mapping[object, object]) -> Mapping[object, object]:
+    """A module's state dict ``sd`` as a template, its extra state (``get_extra_state``) left unshaped.
+
+    torch hands a module's extra state to its ``set_extra_state`` as it was saved, whatever its shape (a
+    serialized blob, empty before first use; a history of any length): the checkpoint's value is read
+    fresh, as where the target has none.
+    """
+    if not any(type(k) is str and k.endswith(_EXTRA_STATE) for k in sd):
+        return sd
+    return {k: MISSING if type(k) is str and k.endswith(_EXTRA_STATE) else v for k, v in sd.items()}
 
 
 @dataclass(slots=True)
@@ -199,8 +230,8 @@ class _Matcher:
         # Containers of the user's own state are updated in place (others may hold references to them);
         # a Stateful's state dict is rebuilt fresh and handed to its load_state_dict.
         self.inside_stateful = 0
-        # Within an LR scheduler's state dict: its tensors (a tensor lr's) are read fresh, not in place.
-        self.inside_scheduler = 0
+        # The kind of the innermost Stateful whose state dict is being matched (see ``_Owner``).
+        self.owner = _Owner.NONE
         self.params: dict[KeyPath, torch.Tensor] = {}
         # The key paths of the optimizers' ``state`` mappings (see ``_ids``).
         self.states: set[KeyPath] = set()
@@ -261,21 +292,27 @@ class _Matcher:
                 self.diff(f"{render((*path, 'param_groups'))}: {unfit}")
                 return obj
             self.note_params(obj, template, path)
-        scheduler = isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
-        if scheduler:
+        owner = _Owner.OTHER
+        if isinstance(obj, torch.nn.Module):
+            owner = _Owner.MODULE
+        elif isinstance(obj, torch.optim.Optimizer):
+            owner = _Owner.OPTIMIZER
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            owner = _Owner.SCHEDULER
             self.schedulers.add(path)
             nested = template.get("_schedulers")  # SequentialLR's and ChainedScheduler's, saved within
             if isinstance(nested, list):
                 self.schedulers.update((*path, "_schedulers", i) for i in range(len(nested)))
         # A module's state dict lists every entry it has; other Statefuls may grow entries lazily.
-        complete = isinstance(obj, torch.nn.Module)
+        complete = owner is _Owner.MODULE
+        shape = _opaque_extra_state(template) if complete else template
+        outer, self.owner = self.owner, owner
         self.inside_stateful += 1
-        self.inside_scheduler += scheduler
         try:
-            sd = self.mapping(node, template, path, create=not complete)
+            sd = self.mapping(node, shape, path, create=not complete)
         finally:
             self.inside_stateful -= 1
-            self.inside_scheduler -= scheduler
+            self.owner = outer
         loose = False
         if isinstance(obj, torch.nn.Module) and _stock_loading(obj):
             # Tensors read in place into the module's own memory need no second copy: hand over the rest.
@@ -516,12 +553,6 @@ class _Matcher:
                     _tie(dest, local, box.offsets)
             return tmpl
         if isinstance(tmpl, torch.Tensor):
-            if self.inside_scheduler:
-                # A scheduler's load_state_dict replaces its attributes with what it is given (as
-                # after torch.load), and its tensors (a tensor lr's) are not memory to fill in place:
-                # a freshly built SequentialLR shares its first child's _last_lr tensors, a trained one
-                # its current child's. Read fresh, they come back tied as they were saved.
-                return self.fresh(node, path)
             return self.in_place(node, tmpl, path)
         if tmpl is not MISSING:
             self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a tensor")
@@ -539,12 +570,20 @@ class _Matcher:
         self.diff(f"{render(path)}: the target holds {_describe(tmpl)}, the checkpoint a tensor")
         return tmpl
 
-    def in_place(self, node: TensorNode, tmpl: torch.Tensor, path: KeyPath) -> torch.Tensor:
+    def in_place(self, node: TensorNode, tmpl: torch.Tensor, path: KeyPath) -> object:
         """``tmpl`` (not a DTensor) as the destination of ``node``, if it has the entry's dtype and shape.
 
         And if a load can fill it in place (see :func:`_unfillable`): a target it cannot is a difference,
-        found here before anything is written.
+        found here before anything is written. Within the state of an LR scheduler, and within that of a
+        Stateful other than torch's where ``tmpl`` does not fit, the tensor is read fresh instead.
         """
+        owner = self.owner
+        if owner is _Owner.SCHEDULER:
+            # A scheduler's load_state_dict replaces its attributes with what it is given (as after
+            # torch.load), and its tensors (a tensor lr's) are not memory to fill in place: a freshly
+            # built SequentialLR shares its first child's _last_lr tensors, a trained one its current
+            # child's. Read fresh, they come back tied as they were saved.
+            return self.fresh(node, path)
         index = node.index
         entry = self.m.tensors[index]
         try:
@@ -554,6 +593,10 @@ class _Matcher:
                 raise
             fits = False  # a nested tensor of strided layout has no shape (one of jagged layout has)
         if not fits:
+            if owner is _Owner.OTHER:
+                # A Stateful of the user's grows its state as it may (a replay buffer's tensor of
+                # another length): its load_state_dict takes what was saved, as from torch.load.
+                return self.fresh(node, path)
             self.diff(f"{render(path)}: the target is {_describe(tmpl)}, the checkpoint {_entry_desc(entry)}")
             return tmpl
         # Three tests pass nearly every target (a contiguous strided CPU or GPU tensor); only the others,
@@ -562,6 +605,8 @@ class _Matcher:
         if tmpl.layout is not _STRIDED or tmpl.is_meta or not tmpl.is_contiguous():
             why = _unfillable(tmpl)
             if why is not None:
+                if owner is _Owner.OTHER:
+                    return self.fresh(node, path)
                 self.diff(f"{render(path)}: the target is {why}")
                 return tmpl
         destinations = self.plan.destinations
