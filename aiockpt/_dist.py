@@ -107,15 +107,19 @@ class DistWorld:
         except Exception as exc:
             self._broken = f"{what}: {exc}"
             absent = self._absent(seq)
-            culprits = (
-                f"rank(s) {', '.join(map(str, absent))} never reached it (dead, hung or diverged)"
-                if absent
-                else "every rank reached it, so one died or hung inside it"
-            )
+            if absent is None:
+                culprits = (
+                    "which rank failed is unknown (the job's store cannot be reached: the rank that hosts "
+                    "it may have died)"
+                )
+            elif absent:
+                culprits = f"rank(s) {', '.join(map(str, absent))} never reached it (dead, hung or diverged)"
+            else:
+                culprits = "every rank reached it, so one died or hung inside it"
             raise DistributedError(
                 f"checkpoint collective {what!r} failed on rank {self.rank} of {self.size} "
                 f"(timeout {self.timeout:g} s): {culprits}: {exc}",
-                ranks=absent,
+                ranks=absent or [],
             ) from exc
         if seq:
             # Every rank has reached `seq`, so none can still ask about `seq - 1`.
@@ -141,14 +145,14 @@ class DistWorld:
         except Exception:
             self._arrivals = None
 
-    def _absent(self, seq: int) -> list[int]:
-        """The ranks that never marked their arrival at collective ``seq`` (empty if unknown)."""
+    def _absent(self, seq: int) -> list[int] | None:
+        """The ranks that never marked their arrival at collective ``seq`` (``None`` if unknown)."""
         if self._arrivals is None:
-            return []
+            return None
         try:
             return [r for r in range(self.size) if not self._arrivals.check([self._key(seq, r)])]
-        except Exception:  # the store lived on a rank that died: the culprits stay unnamed
-            return []
+        except Exception:  # the store lived on a rank that died (torchrun's rank 0): culprits unknown
+            return None
 
     def close(self) -> None:
         """Stop the collective thread (the gloo group lives as long as the process group does)."""

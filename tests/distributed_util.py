@@ -1,6 +1,7 @@
 """Running a test body on N real ``torch.distributed`` ranks (gloo on 127.0.0.1, spawned processes).
 
-``run_world(fn, n, tmp_path, *args)`` spawns ``n`` processes that rendezvous through a file store, runs
+``run_world(fn, n, tmp_path, *args)`` spawns ``n`` processes that rendezvous through a file store (or a
+TCP store hosted by rank 0, as torchrun's, with ``tcp_store=True``), runs
 ``asyncio.run(fn(rank, n, *args))`` in each, and fails the calling test with every rank's traceback if
 any rank raises, exits abnormally or outlives the timeout. ``fn`` must be a module-level coroutine
 function of an importable module, and its arguments picklable. Return values come back in rank order.
@@ -13,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import socket
 import time
 import traceback
 from collections.abc import Callable, Coroutine
@@ -27,7 +29,7 @@ def _child(
     fn: Callable[..., Coroutine[Any, Any, Any]],
     rank: int,
     n: int,
-    store: str,
+    init_method: str,
     out: str,
     args: tuple[Any, ...],
 ) -> None:
@@ -36,7 +38,7 @@ def _child(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=n, timeout=timedelta(seconds=60)
+            "gloo", init_method=init_method, rank=rank, world_size=n, timeout=timedelta(seconds=60)
         )
         try:
             result = asyncio.run(fn(rank, n, *args))
@@ -56,6 +58,7 @@ def run_world(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT,
     expect_failure: set[int] | None = None,
+    tcp_store: bool = False,
 ) -> list[Any]:
     """Run ``fn`` on ``n`` ranks; see the module docstring.
 
@@ -66,6 +69,7 @@ def run_world(
         args: Extra arguments for ``fn``.
         timeout: Seconds the whole world may take.
         expect_failure: Ranks allowed to fail or die (their results are ``None`` or the traceback text).
+        tcp_store: Rendezvous through a TCP store that rank 0 hosts (it dies with rank 0).
 
     Returns:
         Each rank's return value, in rank order (a traceback string for an expected failure).
@@ -75,9 +79,10 @@ def run_world(
     run_dir.mkdir(parents=True, exist_ok=True)
     store = run_dir / "store"
     store.unlink(missing_ok=True)
+    init_method = f"tcp://127.0.0.1:{_free_port()}" if tcp_store else f"file://{store}"
     outs = [run_dir / f"rank{r}.pkl" for r in range(n)]
     procs = [
-        ctx.Process(target=_child, args=(fn, r, n, str(store), str(outs[r]), args), daemon=True)
+        ctx.Process(target=_child, args=(fn, r, n, init_method, str(outs[r]), args), daemon=True)
         for r in range(n)
     ]
     for p in procs:
@@ -109,3 +114,10 @@ def run_world(
     if problems:
         raise AssertionError("\n\n".join(problems))
     return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

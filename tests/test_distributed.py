@@ -336,6 +336,47 @@ def test_a_rank_killed_mid_save_gives_an_error_not_a_hang(tmp_path: Path) -> Non
     _no_trace(parent)
 
 
+async def _die_in_write_on_rank_0(rank: int, world: int, root: str) -> list[str]:
+    import aiockpt._save as save_pipeline
+
+    outcomes = []
+    async with aiockpt.Checkpointer(root, collective_timeout=15) as ck:
+        await ck.save({"w": torch.full((1000,), float(rank))}, step=1)
+        real_write = vars(save_pipeline)["write"]
+
+        async def dying(*args: Any, **kwargs: Any) -> Any:
+            if rank == 0:
+                os._exit(3)  # (and the job's store with it)
+            return await real_write(*args, **kwargs)
+
+        vars(save_pipeline)["write"] = dying
+        for step in (2, 3):
+            try:
+                await ck.save({"w": torch.full((1000,), float(rank))}, step=step)
+                outcomes.append("saved")
+            except aiockpt.DistributedError as exc:
+                outcomes.append(f"ranks={list(exc.ranks)}: {exc}")
+    return outcomes
+
+
+def test_a_dead_rank_that_hosted_the_store_is_not_said_to_have_reached_the_collective(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 of torchrun hosts the job's store: dead, the marks of who arrived cannot be read.
+
+    The error said "every rank reached it, so one died or hung inside it", of a collective rank 0 never
+    reached; it says which rank failed is unknown.
+    """
+    results = run_world(
+        _die_in_write_on_rank_0, 3, tmp_path, str(tmp_path / "c"), expect_failure={0}, tcp_store=True
+    )
+    for survivor in results[1:]:
+        assert len(survivor) == 2, survivor
+        assert "which rank failed is unknown (the job's store cannot be reached" in survivor[0], survivor
+        assert "every rank reached it" not in survivor[0]
+        assert survivor[0].startswith("ranks=[]")
+
+
 async def _checkpointer_run(rank: int, world: int, root: str) -> tuple[list[int], int | None]:
     model, opt = _fsdp(world)
     state = {"model": model, "optim": opt}
