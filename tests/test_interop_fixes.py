@@ -1,4 +1,6 @@
-"""Foreign formats: DCP optimizer state through ``convert``, damaged ``torch.save`` files, header keys."""
+"""Foreign formats: DCP optimizer state through ``convert`` and ``load``, damaged ``torch.save`` files, header
+keys, load targets with cycles, deep nesting or keys that join to one name.
+"""
 
 from __future__ import annotations
 
@@ -377,3 +379,153 @@ async def test_a_safetensors_dtype_this_reader_does_not_know_is_a_format_error_n
     with pytest.raises(aiockpt.FormatError, match=r"'a' has dtype 'F99'.*or the header is damaged") as info:
         await aiockpt.read(path)
     assert not isinstance(info.value, aiockpt.CorruptionError)
+
+
+# --- a foreign load walks any target a native load takes ---------------------------------------------
+
+
+def _cyclic_dict() -> dict[str, object]:
+    cfg: dict[str, object] = {}
+    cfg["self"] = cfg
+    return cfg
+
+
+def _cyclic_list() -> list[object]:
+    items: list[object] = [torch.zeros(1)]
+    items.append(items)
+    return items
+
+
+def _deep(levels: int, leaf: object = 0) -> object:
+    for _ in range(levels):
+        leaf = {"k": leaf}
+    return leaf
+
+
+def _foreign(tmp_path: Path, kind: str, tensors: dict[str, torch.Tensor]) -> Path:
+    if kind == "safetensors":
+        save_file(tensors, str(tmp_path / "x.safetensors"))
+        return tmp_path / "x.safetensors"
+    nested: dict[str, object] = {}  # for DCP, the names' key paths: "a.b" is {"a": {"b": ...}}
+    for name, t in tensors.items():
+        *parents, last = name.split(".")
+        cur = nested
+        for k in parents:
+            cur = cur.setdefault(k, {})  # type: ignore[assignment]
+        cur[last] = t
+    _dcp_save(nested, tmp_path / "dcp")
+    return tmp_path / "dcp"
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "dcp"])
+@pytest.mark.parametrize(
+    "cfg", [_cyclic_dict, _cyclic_list, lambda: _deep(2000)], ids=["dict", "list", "deep"]
+)
+async def test_a_foreign_load_reports_a_cyclic_or_deep_target_key_missing_as_a_native_load(
+    tmp_path: Path, kind: str, cfg: object
+) -> None:
+    """It recursed over the whole target: a RecursionError."""
+    path = _foreign(tmp_path, kind, {"a.b": torch.ones(2)})
+    assert callable(cfg)
+    state: dict[str, object] = {"a": {"b": torch.zeros(2)}, "cfg": cfg()}
+    with pytest.raises(aiockpt.StateMismatchError) as info:
+        await aiockpt.load(state, path)
+    assert info.value.differences == ["cfg: missing key (in the target, not in the checkpoint)"]
+    with pytest.warns(aiockpt.StateMismatchWarning, match="cfg: missing key"):
+        await aiockpt.load(state, path, strict=False)
+    assert torch.equal(state["a"]["b"], torch.ones(2))  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("kind", "differences"),
+    [
+        # DCP's key paths place the entry inside the cycle: the matcher walks the target alongside it.
+        ("dcp", ["cfg/self/self: missing key", "cfg/self/x: unexpected key"]),
+        ("safetensors", ["cfg/self.x: unexpected key", "cfg/self: missing key"]),
+    ],
+)
+async def test_a_foreign_load_compares_a_cycle_the_source_has_entries_under(
+    tmp_path: Path, kind: str, differences: list[str]
+) -> None:
+    path = _foreign(tmp_path, kind, {"cfg.self.x": torch.ones(2)})
+    with pytest.raises(aiockpt.StateMismatchError) as info:
+        await aiockpt.load({"cfg": _cyclic_dict()}, path)
+    assert sorted(d.split(" (")[0] for d in info.value.differences) == differences
+
+
+async def test_a_foreign_load_refuses_a_target_nested_too_deep_where_the_source_has_entries(
+    tmp_path: Path,
+) -> None:
+    path = _foreign(tmp_path, "safetensors", {"k." * 150 + "w": torch.ones(2)})
+    with pytest.raises(aiockpt.StateError, match="nests containers more than 100 levels deep") as info:
+        await aiockpt.load({"k": _deep(149, {"w": torch.zeros(2)})}, path)
+    assert info.value.key == "/".join(["k"] * 100)
+
+
+# --- two target keys of one flat name -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "dcp"])
+async def test_a_foreign_load_fills_one_of_two_target_keys_joined_to_one_name(
+    tmp_path: Path, kind: str
+) -> None:
+    """Both were filled with the one tensor, silently, even with ``strict``."""
+    path = _foreign(tmp_path, kind, {"a.b": torch.ones(2), "x.0": torch.full((2,), 7.0)})
+
+    def target() -> dict[str, object]:
+        return {
+            "a.b": torch.zeros(2),
+            "a": {"b": torch.zeros(2)},
+            "x": {0: torch.zeros(2), "0": torch.zeros(2)},
+        }
+
+    with pytest.raises(aiockpt.StateMismatchError) as info:
+        await aiockpt.load(target(), path)
+    said = "\n".join(info.value.differences)
+    assert "a/b: not loaded: it and 'a.b' are both named 'a.b' once joined with '.'" in said
+    assert "x/'0': not loaded: it and 'x/0' are both named 'x.0' once joined with '.'" in said
+    state = target()
+    with pytest.warns(aiockpt.StateMismatchWarning, match="a/b: not loaded"):
+        await aiockpt.load(state, path, strict=False)
+    assert torch.equal(state["a.b"], torch.ones(2))  # type: ignore[arg-type]
+    assert torch.equal(state["a"]["b"], torch.zeros(2))  # type: ignore[index]
+    assert torch.equal(state["x"][0], torch.full((2,), 7.0))  # type: ignore[index]
+    assert torch.equal(state["x"]["0"], torch.zeros(2))  # type: ignore[index]
+
+
+# --- an optimizer's state lists from DCP stay lists ------------------------------------------------------
+
+
+def _lbfgs(seed: int, steps: int) -> tuple[torch.nn.Linear, torch.optim.LBFGS, object]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(3, 1)
+    optim = torch.optim.LBFGS(model.parameters(), history_size=3, max_iter=2)
+    x, y = torch.arange(24.0).reshape(8, 3) / 10, torch.arange(8.0).reshape(8, 1) / 10
+
+    def closure() -> torch.Tensor:
+        optim.zero_grad()
+        loss: torch.Tensor = ((model(x) - y) ** 2).mean()
+        loss.backward()  # type: ignore[no-untyped-call]
+        return loss
+
+    for _ in range(steps):
+        optim.step(closure)  # type: ignore[no-untyped-call]
+    return model, optim, closure
+
+
+@pytest.mark.parametrize("steps", [0, 1], ids=["fresh", "shorter_history"])
+async def test_lbfgs_state_saved_by_dcp_resumes_bit_exact(tmp_path: Path, steps: int) -> None:
+    """Its lists came back as int-keyed dicts (``old_dirs.append`` failed), or were refused if longer."""
+    ref, ref_optim, ref_closure = _lbfgs(0, 3)
+    _dcp_save({"model": ref, "optim": ref_optim}, tmp_path / "dcp")
+    model, optim, closure = _lbfgs(1, steps)
+    await aiockpt.load({"model": model, "optim": optim}, tmp_path / "dcp")
+    state, ref_state = optim.state[model.weight], ref_optim.state[ref.weight]
+    for name in ("old_dirs", "old_stps", "ro", "al"):
+        assert type(state[name]) is list, name
+        assert len(state[name]) == len(ref_state[name]), name
+    for _ in range(3):
+        loss, ref_loss = optim.step(closure), ref_optim.step(ref_closure)  # type: ignore[no-untyped-call]
+        assert torch.equal(loss, ref_loss)
+        assert torch.equal(model.weight, ref.weight)
+        assert torch.equal(model.bias, ref.bias)

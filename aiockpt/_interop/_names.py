@@ -24,10 +24,14 @@ import torch
 
 from .._errors import StateError
 from .._format import DictNode, Key, KeyPath, ListNode, Node, PickleNode
-from .._tree import flatten, is_stateful, nested, render, spelled_int, type_name
+from .._tree import MAX_DEPTH, flatten, is_stateful, nested, render, spelled_int, type_name
 
 # A tree under construction: nodes, dicts and lists of them.
 _Draft = Union[Node, dict[Key, "_Draft"], list["_Draft"]]  # noqa: UP007 (a recursive alias needs Union)
+
+
+class _Items(dict[Key, _Draft]):
+    """A list under construction, by index: DCP's key path of an entry says it is a list's item."""
 
 
 def join(path: KeyPath) -> str:
@@ -36,12 +40,24 @@ def join(path: KeyPath) -> str:
 
 
 def is_leaf(value: object) -> bool:
-    """Whether DCP stores ``value`` under one name (the rule of DCP's ``traverse_state_dict``)."""
+    """Whether DCP stores ``value`` under one name (the rule of DCP's ``traverse_state_dict``).
+
+    A list is one value unless it, or a list nested in it at any depth, holds a tensor, a mapping or a
+    Stateful. The nested lists are walked without recursion, each once: a list may hold itself.
+    """
     if isinstance(value, Mapping) or is_stateful(value):
         return False
     if not isinstance(value, list):
         return True
-    return not any(isinstance(v, (torch.Tensor, Mapping)) or is_stateful(v) or not is_leaf(v) for v in value)
+    todo, seen = [value], {id(value)}
+    while todo:
+        for v in todo.pop():
+            if isinstance(v, (torch.Tensor, Mapping)) or is_stateful(v):
+                return False
+            if isinstance(v, list) and id(v) not in seen:
+                seen.add(id(v))
+                todo.append(v)
+    return True
 
 
 def value_node(value: object, name: str) -> Node:
@@ -60,6 +76,8 @@ def value_node(value: object, name: str) -> Node:
 
 
 def _freeze(draft: _Draft) -> Node:
+    if isinstance(draft, _Items) and set(draft) == set(range(len(draft))):  # (else: an index is missing)
+        return ListNode(items=tuple(_freeze(draft[i]) for i in range(len(draft))))
     if isinstance(draft, dict):
         return DictNode(keys=tuple(draft), values=tuple(_freeze(v) for v in draft.values()))
     if isinstance(draft, list):
@@ -157,15 +175,66 @@ class _Container:
     draft: dict[Key, _Draft]
 
 
+class _Cut:
+    """What :meth:`_Shaper.walk` returns for a target container it cannot walk, the source has nothing under.
+
+    Such a container closes a cycle, or nests more than ``MAX_DEPTH`` deep. The outermost container above
+    it that the source has no entry under either is left out, and so reported missing (``cfg: missing
+    key``), as a native load reports a target key its checkpoint lacks.
+    """
+
+
+_CUT = _Cut()
+
+
 @dataclass
 class _Shaper:
     entries: Mapping[str, Node]
     paths: Mapping[str, KeyPath] | None
-    used: set[str] = field(default_factory=set)
+    used: dict[str, KeyPath] = field(default_factory=dict)  # entry name -> the target key path it fills
     containers: dict[str, _Container] = field(default_factory=dict)
     differences: list[str] = field(default_factory=list)
+    active: set[int] = field(default_factory=set)  # ids of the target containers on the current path
+    below: set[str] = field(init=False)  # "" and every entry's name and ``.``-prefix: paths with entries
 
-    def walk(self, obj: object, path: KeyPath, inside: bool) -> _Draft | None:
+    def __post_init__(self) -> None:
+        self.below = {""}
+        for name in self.entries:
+            self.below.add(name)
+            cut = name.find(".")
+            while cut >= 0:
+                self.below.add(name[:cut])
+                cut = name.find(".", cut + 1)
+
+    def walk(self, obj: object, path: KeyPath, inside: bool) -> _Draft | _Cut | None:
+        """The draft of the target's ``obj`` at ``path``: ``None`` where the source has nothing for it.
+
+        Raises:
+            StateError: The target nests containers more than ``MAX_DEPTH`` levels deep (as a native save
+                refuses) where the source has entries below that depth, naming the key.
+        """
+        if not (isinstance(obj, Mapping) or is_stateful(obj) or (isinstance(obj, list) and not is_leaf(obj))):
+            return self.leaf(path)
+        if id(obj) in self.active or len(path) >= MAX_DEPTH:
+            if join(path) not in self.below:
+                return _CUT
+            if id(obj) not in self.active:
+                raise StateError(
+                    f"the state nests containers more than {MAX_DEPTH} levels deep, at key {render(path)!r}",
+                    key=render(path),
+                )
+            # A cycle the source has entries under: left out, so those entries are placed under the
+            # container holding it, and the matcher compares them with the target's keys there.
+            return None
+        self.active.add(id(obj))
+        try:
+            return self.container(obj, path, inside)
+        finally:
+            self.active.discard(id(obj))
+
+    def container(self, obj: object, path: KeyPath, inside: bool) -> _Draft | _Cut | None:
+        # A container holding a cut one is cut too while the source has no entry under it either.
+        cuttable = join(path) not in self.below
         if is_stateful(obj):
             sd = obj.state_dict()  # type: ignore[attr-defined]
             return self.walk(sd, path, True) if isinstance(sd, Mapping) else None
@@ -174,28 +243,52 @@ class _Shaper:
             self.containers.setdefault(join(path), _Container(len(path), inside, draft))
             for k, v in obj.items():
                 child = self.walk(v, (*path, k), inside)
-                if child is not None:
+                if isinstance(child, _Cut) and cuttable:
+                    return _CUT
+                if child is not None and not isinstance(child, _Cut):
                     draft[k] = child
             return draft
-        if isinstance(obj, list) and not is_leaf(obj):
-            items = [self.walk(v, (*path, i), inside) for i, v in enumerate(obj)]
-            absent = [i for i, item in enumerate(items) if item is None]
-            if absent:
-                self.differences += [
-                    f"{render((*path, i))}: missing key (in the target, not in the checkpoint)"
-                    for i in absent
-                ]
-                return None
-            return [item for item in items if item is not None]
+        assert isinstance(obj, list)
+        items: list[_Draft] = []
+        absent: list[int] = []
+        for i, v in enumerate(obj):
+            item = self.walk(v, (*path, i), inside)
+            if isinstance(item, _Cut) and cuttable:
+                return _CUT
+            if item is None or isinstance(item, _Cut):
+                absent.append(i)
+            else:
+                items.append(item)
+        if absent:
+            self.differences += [
+                f"{render((*path, i))}: missing key (in the target, not in the checkpoint)" for i in absent
+            ]
+            return None
+        # Within a Stateful, whose state is rebuilt from the checkpoint, the source's list may be longer
+        # (an LBFGS's history grows): :meth:`place` adds the items past the target's to this one.
+        return _Items(enumerate(items)) if inside else items
+
+    def leaf(self, path: KeyPath) -> Node | None:
         name = join(path)
         node = self.entries.get(name)
         if node is None:
             return None
-        self.used.add(name)
+        other = self.used.setdefault(name, path)
+        if other != path:
+            # Both keys would be filled with the one value: the first keeps it (as convert refuses them).
+            self.differences.append(
+                f"{render(path)}: not loaded: it and {render(other)!r} are both named {name!r} once joined "
+                f"with '.' (only {render(other)!r} is filled; rename one)"
+            )
+            return None
         return node
 
     def place(self, root: dict[Key, _Draft], name: str, node: Node) -> None:
-        """Put an entry no target leaf claimed under the deepest target container its name extends."""
+        """Put an entry no target leaf claimed under the deepest target container its name extends.
+
+        The containers the entry needs below it are made: a list where DCP's key path has an index there
+        (an ``int``; its mapping keys are all ``str``), else a dict.
+        """
         path = self.paths.get(name) if self.paths is not None else None
         where: tuple[_Container, KeyPath] | None = None
         if path:
@@ -214,12 +307,13 @@ class _Shaper:
         if where is None:
             where = (self.containers[""], (name,))
         container, rest = where
+        indexed = [type(k) is int for k in rest]
         if container.inside_stateful:
             # DCP stores every mapping key as a str; an optimizer's per-parameter state is keyed by int.
             rest = tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in rest)
         cur = container.draft
-        for k in rest[:-1]:
-            nxt = cur.setdefault(k, {})
+        for i, k in enumerate(rest[:-1]):
+            nxt = cur.setdefault(k, _Items() if indexed[i + 1] else {})
             if not isinstance(nxt, dict):
                 break
             cur = nxt
