@@ -392,10 +392,24 @@ class OwnerLock:
         self._fd, self.atomic = _create_locked(path)
 
     def release(self) -> None:
-        """Remove the lock file, then drop the lock."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        os.close(self._fd)
+        """Remove the lock file, then drop the lock. Once only: a second call does nothing.
+
+        The lock is dropped even where the unlink fails (the file, unlocked, is then an orphan that
+        :func:`collect_garbage` removes) or the close reports an error (Linux frees the descriptor all
+        the same). The descriptor is let go of before it is closed: closing its number again would
+        close whatever file the process opened under that number since.
+
+        Raises:
+            OSError: The lock file could not be removed, or closing its descriptor reported an error.
+        """
+        fd, self._fd = self._fd, -1
+        if fd < 0:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ staging buffer back; the commit itself is shielded and always completes or fails
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 import warnings
@@ -26,6 +27,7 @@ from .._format import MANIFEST_NAME, DictNode, Manifest
 from .._fs import LOCK_SUFFIX, NAME_MAX, OwnerLock, not_a_directory, read_regular, remove_tree, temp_name
 from .._gc import collect_young, paused
 from .._handle import Metadata, SaveMetrics, SaveState
+from .._insulate import warn_at_caller
 from .._load._manifest import decode_summary
 from .._memory import StagingPool
 from .._merge import Merged, Signature, merge, reindex
@@ -206,7 +208,8 @@ def open_tmp(path: Path) -> tuple[Path, OwnerLock]:
     try:
         tmp.mkdir()
     except BaseException:
-        lock.release()
+        with contextlib.suppress(OSError):  # the mkdir's error is the one to report; the lock is gone
+            lock.release()
         raise
     return tmp, lock
 
@@ -226,6 +229,8 @@ class Target(Protocol):
     :meth:`prepare`, whose token reaches every rank's :meth:`tag` (what the global plan names data files
     with) and :meth:`write`, then :meth:`commit` and :meth:`published`; other ranks call :meth:`summary`
     once rank 0 committed. Every rank calls :meth:`discard` (shielded) when the save fails before its commit.
+    :meth:`published` runs past the commit point: what fails there is warned about, never raised (the
+    save stands).
     """
 
     async def hold(self, body: Callable[[], Awaitable[Metadata]]) -> Metadata: ...
@@ -282,9 +287,22 @@ class _LocalTarget:
         await commit(self.tmp[0], self.path, manifest, self.limiter)
 
     async def published(self) -> None:
-        if self.tmp is not None:  # only the temp dir's lock remains
-            await run_sync(self.tmp[1].release, self.limiter)
-            self.tmp = None
+        if self.tmp is None:
+            return
+        # Only the temp dir's lock remains. It is let go of first: the save is committed, so nothing may
+        # release (or discard) it again, whatever the release below does.
+        lock = self.tmp[1]
+        self.tmp = None
+        try:
+            await run_sync(lock.release, self.limiter)
+        except OSError as exc:
+            # Past the commit point: the save stands. The lock is dropped all the same; a lock file left
+            # behind has no owner, and goes when a Checkpointer next opens the directory (collect_garbage).
+            warn_at_caller(
+                f"saved {self.path}, but releasing its temp dir's lock {lock.path} then failed: "
+                f"{exc.strerror or exc}; the checkpoint is committed",
+                RuntimeWarning,
+            )
 
     async def discard(self) -> None:
         if self.tmp is not None:

@@ -4,7 +4,8 @@ Commit protocol (the coordinator alone): data files are already fsynced by the w
 is written into the temp directory and fsynced, the temp directory is fsynced, then renamed to its final
 name without replacing anything, and the parent directory is fsynced. The rename is the commit point: a
 crash before it leaves only temp data (collected later), after it a complete checkpoint. Once begun, the
-commit is shielded from cancellation so that it always completes or fails as a whole.
+commit is shielded from cancellation so that it always completes or fails as a whole. A failure after
+the rename (the parent's fsync) leaves the save committed: it is a ``RuntimeWarning``, not an error.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .._format import (
     Manifest,
 )
 from .._fs import fsync_dir, rename_noreplace, write_durable
+from .._insulate import warn_at_caller
 from .._threads import run_sync
 from .._tree import a_or_an, int_text, type_name
 from .._version import __version__
@@ -159,21 +161,38 @@ async def commit(
 ) -> None:
     """Write the manifest (its pieces) into ``tmpdir``; publish ``tmpdir`` as ``final`` (module docstring).
 
+    A failure of the parent directory's fsync, after the rename, is a ``RuntimeWarning``: the checkpoint
+    is committed (a load finds it, a save of its name is refused), so the save must end as one that
+    committed, with its caller's bookkeeping done (``latest``, retention). Only a crash before the file
+    system writes the directory back could still undo the rename.
+
     Raises:
         CheckpointExistsError: ``final`` appeared meanwhile; nothing was replaced.
-        StorageError: A write, fsync or rename failed.
+        StorageError: A write, fsync or the rename failed; nothing was published.
     """
 
-    def publish() -> None:
+    def publish() -> OSError | None:
+        """Publish; the parent's fsync's error (past the commit point) is returned, not raised."""
         write_durable(tmpdir / MANIFEST_NAME, manifest)
         fsync_dir(tmpdir)
         rename_noreplace(tmpdir, final)
-        fsync_dir(final.parent)
+        try:
+            fsync_dir(final.parent)
+        except OSError as exc:
+            return exc
+        return None
 
     with anyio.CancelScope(shield=True):
         try:
-            await run_sync(publish, limiter)
+            unsynced = await run_sync(publish, limiter)
         except FileExistsError as exc:
             raise CheckpointExistsError(f"checkpoint {final} already exists; nothing was replaced") from exc
         except OSError as exc:
             raise StorageError(f"cannot publish {final}: {exc.strerror or exc}", path=str(final)) from exc
+    if unsynced is not None:
+        warn_at_caller(
+            f"saved {final}, but fsyncing {final.parent} after the rename that committed it failed: "
+            f"{unsynced.strerror or unsynced}; the checkpoint is committed, but a crash before the file "
+            "system writes the directory back may undo its rename",
+            RuntimeWarning,
+        )
