@@ -18,6 +18,7 @@ import torch
 from conftest import assert_tree_equal, listdir, read_text, tmp_entries
 
 import aiockpt
+from aiockpt import IOConfig, StorageError
 from aiockpt._fs import OwnerLock
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,6 +37,11 @@ def target_of(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return ""
+
+
+def open_on(name: str) -> list[str]:
+    """The descriptors of this process open on a file whose path holds ``name``."""
+    return [t for fd in os.listdir("/proc/self/fd") if name in (t := target_of(int(fd)))]
 
 
 def eio() -> OSError:
@@ -64,6 +70,19 @@ def failing_close(
 
     monkeypatch.setattr(os, "close", close)
     return calls
+
+
+def _nth_close_of(name: str, n: int) -> Callable[[str], bool]:
+    """A ``failing_close`` filter: the ``n``-th close of a file whose path holds ``name``."""
+    seen = [0]
+
+    def on(target: str) -> bool:
+        if name not in target:
+            return False
+        seen[0] += 1
+        return seen[0] == n
+
+    return on
 
 
 # --- past the commit point: a warning, and a save that committed
@@ -163,3 +182,103 @@ def test_owner_lock_release_is_once_only(tmp_path: Path, monkeypatch: pytest.Mon
     lock.release()  # the descriptor is gone: its number is not closed again
     assert len(closes) == 1
     assert not (tmp_path / ".tmp-x-0123456789ab.lock").exists()
+
+
+# --- closes that fail: a StorageError naming the file, and no descriptor left open
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+async def test_a_data_file_whose_close_fails_in_a_save_fails_the_save(
+    direct: bool, ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NFS a close reports write errors deferred until then: the data may not be durable."""
+    if direct and not O_DIRECT:
+        pytest.skip("this platform has no O_DIRECT")
+    failing_close(monkeypatch, lambda t: DATA in t)
+    saved = {"w": torch.randn(1 << 20), "b": torch.arange(5)}
+    with pytest.raises(StorageError) as info:
+        await aiockpt.save(saved, ckpt_path, io=IOConfig(direct_writes=direct))
+    assert info.value.path is not None
+    assert info.value.path.endswith(DATA)
+    assert str(info.value) == f"cannot close {info.value.path}: {os.strerror(errno.EIO)}"
+    assert isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.errno == errno.EIO
+    assert open_on(DATA) == []  # both descriptors of a direct write closed
+    assert listdir(ckpt_path.parent) == []  # nothing published, the temp dir removed
+
+
+async def test_a_close_that_fails_after_a_failed_write_keeps_the_write_error(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing_close(monkeypatch, lambda t: DATA in t)
+
+    def fsync(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StorageError, match=f"cannot write .*{DATA}: {os.strerror(errno.ENOSPC)}"):
+        await aiockpt.save(state(), ckpt_path)
+    assert open_on(DATA) == []
+
+
+@pytest.mark.parametrize(
+    ("io", "closes"),
+    [
+        (IOConfig(direct_reads=False, drop_behind=False), 1),
+        (IOConfig(direct_reads=False, drop_behind=True), 1),  # cached_pages' own close
+        (IOConfig(direct_reads=False, drop_behind=True), 2),  # the read stage's
+        (IOConfig(direct_reads=True), 1),
+    ],
+    ids=["buffered", "snapshot", "drop-behind", "direct"],
+)
+async def test_a_data_file_whose_close_fails_in_a_read_is_a_storage_error_and_no_fd_leaks(
+    io: IOConfig, closes: int, ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = {"w": torch.randn(1 << 20), "b": torch.arange(5)}
+    await aiockpt.save(saved, ckpt_path)
+    for call in (lambda: aiockpt.read(ckpt_path, io=io), lambda: aiockpt.load(dict(saved), ckpt_path, io=io)):
+        failing_close(monkeypatch, _nth_close_of(DATA, closes))
+        with pytest.raises(StorageError) as info:
+            await call()
+        monkeypatch.undo()
+        assert info.value.path == str(ckpt_path / DATA)
+        assert str(info.value) == f"cannot close {ckpt_path / DATA}: {os.strerror(errno.EIO)}"
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.EIO
+        assert open_on(DATA) == []  # every descriptor closed, the direct one too
+    assert_tree_equal(await aiockpt.read(ckpt_path, io=io), saved)
+
+
+async def test_a_close_that_fails_after_a_failed_read_keeps_the_read_error(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await aiockpt.save(state(), ckpt_path)
+    failing_close(monkeypatch, lambda t: DATA in t, times=2)
+
+    def preadv(*args: object) -> int:
+        raise eio()
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    with pytest.raises(StorageError, match=f"cannot read {ckpt_path / DATA}: "):
+        await aiockpt.read(ckpt_path, io=IOConfig(direct_reads=False, drop_behind=False))
+    assert open_on(DATA) == []
+
+
+async def test_a_data_file_that_cannot_be_fstated_is_a_storage_error_naming_it(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await aiockpt.save(state(), ckpt_path)
+    real = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:
+        if DATA in target_of(fd):
+            raise eio()
+        return real(fd)
+
+    monkeypatch.setattr(os, "fstat", fstat)
+    for drop_behind in (True, False):  # (with drop-behind, cached_pages fstats it first)
+        with pytest.raises(StorageError) as info:
+            await aiockpt.read(ckpt_path, io=IOConfig(direct_reads=False, drop_behind=drop_behind))
+        assert info.value.path == str(ckpt_path / DATA)
+        assert str(info.value) == f"cannot read {ckpt_path / DATA}: {os.strerror(errno.EIO)}"
+        assert open_on(DATA) == []

@@ -21,7 +21,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from operator import attrgetter
@@ -402,41 +402,86 @@ def cached_pages(directory: Path, manifest: Manifest) -> dict[str, bytes | None]
 
     Taken before the reads, so that :func:`read_into` evicts what it brought in and nothing else. A file
     that cannot be opened is left out: the read stage reports it. Blocking.
+
+    Raises:
+        StorageError: A data file that opened cannot be ``fstat``-ed or closed; names the file (every
+            file opened is closed all the same).
     """
     out: dict[str, bytes | None] = {}
     for info in manifest.files:
+        path = directory / info.name
         try:
-            fd = open_readable(directory / info.name)
+            fd = open_readable(path)
         except OSError:
             continue
         try:
             found = os.fstat(fd)
+        except OSError as exc:
+            _close_quietly(fd)
+            raise _unusable(path, "read", exc) from exc
+        try:
             if irregular(found.st_mode) is None:  # (the read stage reports a directory, say)
                 # (The file's own size bounds the snapshot: a damaged manifest can say any byte count.)
                 out[info.name] = resident(fd, min(info.nbytes, found.st_size))
         finally:
-            os.close(fd)
+            _close_checked(fd, path)
     return out
 
 
+def _unusable(path: Path, what: str, exc: OSError) -> StorageError:
+    """The error for a data file ``path`` that cannot be ``what`` (read, closed): errno kept, path named."""
+    return StorageError(f"cannot {what} {path}: {exc.strerror or exc}", path=str(path))
+
+
+def _close_quietly(fd: int) -> None:
+    """Close ``fd`` where another error is the one to report (the descriptor is freed either way)."""
+    with suppress(OSError):
+        os.close(fd)
+
+
+def _close_checked(fd: int, path: Path) -> None:
+    """Close ``fd``, the data file ``path``'s descriptor (freed even where the close fails).
+
+    Raises:
+        StorageError: The close reported an error; names the file.
+    """
+    try:
+        os.close(fd)
+    except OSError as exc:
+        raise _unusable(path, "close", exc) from exc
+
+
 def _release(
+    directory: Path,
     fds: dict[str, int],
     before: dict[str, bytes | None],
-    direct_fds: Iterable[int],
+    direct_fds: dict[str, int],
     pipeline: DirectReads | None,
     copies: list[Callable[[], None]],
     keep: list[torch.Tensor],
     reads: list[_Read],
     by_file: _ByFile,
-) -> None:
+) -> StorageError | None:
+    """Close every data file (all of them, whatever one close does) and free the bookkeeping. Blocking.
+
+    Returns:
+        The error of the first close that failed, naming its file; ``None`` where all closed cleanly.
+        Returned, not raised: only the caller knows whether the read failed already, with its own error.
+    """
     if pipeline is not None:
         pipeline.close()
-    for name, fd in fds.items():
-        if name in before:
-            sweep(fd, before[name])
-        os.close(fd)
-    for fd in direct_fds:
-        os.close(fd)
+    unclosed: StorageError | None = None
+    for opened in (fds, direct_fds):
+        for name, fd in opened.items():
+            if opened is fds and name in before:
+                sweep(fd, before[name])
+            try:
+                os.close(fd)
+            except OSError as exc:
+                if unclosed is None:
+                    unclosed = _unusable(directory / name, "close", exc)
+                    unclosed.__cause__ = exc
+        opened.clear()  # closed: never closed again
     # The containers stay referenced by the caller: their items move into ``box``, freed in slices.
     box: list[object] = [copies[:], keep[:], reads[:], list(by_file.values())]
     copies.clear()
@@ -444,6 +489,7 @@ def _release(
     reads.clear()
     by_file.clear()
     dismantle(box)
+    return unclosed
 
 
 def run_all(calls: Iterable[Callable[[], object]]) -> None:
@@ -561,7 +607,10 @@ async def read_into(
             except OSError as exc:
                 raise unreadable(name, exc) from exc
             fds[name] = fd
-            found = os.fstat(fd)
+            try:
+                found = os.fstat(fd)
+            except OSError as exc:
+                raise unreadable(name, exc) from exc
             if (kind := irregular(found.st_mode)) is not None:  # (a directory opens, then fails to read)
                 raise corrupt(reads[pieces[0].item], f"data file is {kind}")
             size = found.st_size
@@ -661,6 +710,8 @@ async def read_into(
             else:
                 settle(name, run, bad)
 
+    unclosed: StorageError | None = None
+    failed = True  # until every destination is filled: a close's error is then the read's own
     try:
         await run_sync(open_files, limiter)
         if direct_jobs:
@@ -672,6 +723,7 @@ async def read_into(
                 await run_workers(worker, len(work), limiter)
         if copies:
             await run_sync(lambda: run_all(copies), limiter)
+        failed = False
     except OSError as exc:
         # (Reads and opens name their file above; this is what is left, such as a failed ``fstat``.)
         raise StorageError(
@@ -681,8 +733,11 @@ async def read_into(
         # Host buffers are freed in the thread too: unmapping large ones would stall the event loop. So
         # are the per-chunk bookkeeping objects, whose deallocation takes milliseconds for 10^4 tensors.
         with anyio.CancelScope(shield=True):
-            await run_sync(
-                lambda: _release(fds, before, direct_fds.values(), pipeline, copies, keep, reads, by_file),
+            unclosed = await run_sync(
+                lambda: _release(directory, fds, before, direct_fds, pipeline, copies, keep, reads, by_file),
                 limiter,
             )
+    # A close that fails after a failed read is not raised over the read's own error.
+    if unclosed is not None and not failed:
+        raise unclosed
     return total

@@ -21,7 +21,7 @@ import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from functools import partial
 from pathlib import Path
 
@@ -332,7 +332,11 @@ class Direct:
     def close(self) -> None:
         """Close the descriptor and give the bounce buffers back to the shared pool (blocking).
 
-        Called once every thread of the save is done with them.
+        Called once every thread of the save is done with them. Once only: the descriptor is let go of
+        before it is closed, so a second call never closes another file opened under its number since.
+
+        Raises:
+            OSError: Closing the descriptor reported an error (it is closed all the same).
         """
         self._ready.clear()
         self._slots.close()
@@ -391,8 +395,8 @@ async def write(
         The checksums of every block written.
 
     Raises:
-        StorageError: The file could not be created, written or synced (e.g. the disk is full); the
-            message names the file.
+        StorageError: The file could not be created, written, synced or closed (e.g. the disk is full);
+            the message names the file.
     """
     if not plan.writes:
         return WriteResult(rank=plan.rank, checksums=(), nbytes=0)
@@ -416,11 +420,14 @@ async def write(
             # A bounce buffer for each writer's run in flight, and one being filled.
             return fd, Direct(path, runs, slots=writers + 1)
         except BaseException:
-            os.close(fd)
+            with suppress(OSError):  # the error to report is the one that got here
+                os.close(fd)
             raise
 
     runs, sums = await run_sync(cut, limiter)
     jobs: list[Callable[[threading.Event], None]] = []
+    unclosed: OSError | None = None
+    failed = True  # until the file is synced: a close's error is then the save's own
     try:
         writers = min(direct_threads or threads, max(1, len(runs)))
         fd, direct_fd = await acquire_sync(partial(open_file, runs, writers), limiter)
@@ -439,18 +446,25 @@ async def write(
                 jobs = [partial(_pinned, cpus[0], job) for job in jobs]
             await run_each(jobs, limiter, lower=bulk)
         result = await run_sync(partial(_sync_and_report, fd, plan, sums, direct_fd), limiter)
+        failed = False
     except OSError as exc:
         raise StorageError(f"cannot write {path}: {exc.strerror or exc}", path=str(path)) from exc
     finally:
         if fd >= 0:
             with anyio.CancelScope(shield=True):
-                await run_sync(partial(_close, fd, direct_fd), limiter)
+                unclosed = await run_sync(partial(_close, fd, direct_fd), limiter)
         # A piece and a memoryview per block: freed in a worker, a slice at a time, not on the loop's thread.
         # The jobs (the checksums) and the direct writer (its runs) hold them too: whatever still holds them
         # when this frame ends frees them here, on the loop's thread: 3-5 ms for 20,000 pieces gone cold.
         box: list[object] = [runs, sums, jobs, direct_fd]
         del runs, sums, jobs, direct_fd
         await release(box, limiter)
+    # A close that fails after a failed write is not raised over the write's own error.
+    if unclosed is not None and not failed:
+        # The close may report a write the file system deferred (NFS): the save cannot count on the data.
+        raise StorageError(
+            f"cannot close {path}: {unclosed.strerror or unclosed}", path=str(path)
+        ) from unclosed
     return result
 
 
@@ -468,11 +482,22 @@ def _pinned(cpu: int, job: Callable[[threading.Event], None], abort: threading.E
         job(abort)
 
 
-def _close(fd: int, direct: Direct) -> None:
+def _close(fd: int, direct: Direct) -> OSError | None:
+    """Close the data file's descriptors (both, whatever the first does); the first error, not raised.
+
+    A close may report a write error the file system deferred until then (NFS does): what was written
+    may not be durable. Blocking.
+    """
+    error: OSError | None = None
     try:
         direct.close()
-    finally:
+    except OSError as exc:
+        error = exc
+    try:
         os.close(fd)
+    except OSError as exc:
+        error = error or exc
+    return error
 
 
 def _sync_and_report(fd: int, plan: RankPlan, sums: Checksums, direct: Direct) -> WriteResult:
