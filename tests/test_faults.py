@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -282,3 +282,70 @@ async def test_a_data_file_that_cannot_be_fstated_is_a_storage_error_naming_it(
         assert info.value.path == str(ckpt_path / DATA)
         assert str(info.value) == f"cannot read {ckpt_path / DATA}: {os.strerror(errno.EIO)}"
         assert open_on(DATA) == []
+
+
+# --- paths that cannot be looked up
+
+
+async def test_a_path_whose_name_is_too_long_is_a_storage_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / ("x" * 300)
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: aiockpt.read(path),
+        lambda: aiockpt.load({}, path),
+        lambda: aiockpt.read_metadata(path),
+        lambda: aiockpt.verify(path),
+    ]
+    for call in calls:
+        with pytest.raises(StorageError) as info:
+            await call()
+        assert info.value.path == str(path)
+        assert str(info.value) == f"cannot read {path}: {os.strerror(errno.ENAMETOOLONG)}"
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.ENAMETOOLONG
+
+
+async def test_a_path_that_cannot_be_stated_is_a_storage_error_naming_it(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (The suite may run as root, whom a directory without search permission does not stop.)
+    await aiockpt.save(state(), ckpt_path)
+    real = os.stat
+
+    def refusing(path: str | os.PathLike[str], *args: object, **kwargs: object) -> os.stat_result:
+        if os.fspath(path) == str(ckpt_path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", refusing)
+    for call in (lambda: aiockpt.read(ckpt_path), lambda: aiockpt.load(state(0), ckpt_path)):
+        with pytest.raises(StorageError) as info:
+            await call()
+        assert info.value.path == str(ckpt_path)
+        assert str(info.value) == f"cannot read {ckpt_path}: {os.strerror(errno.EACCES)}"
+
+
+async def test_a_directory_that_cannot_be_listed_for_parts_is_a_storage_error_naming_it(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt_path.mkdir()  # no manifest: its parts are looked for
+    real = os.listdir
+
+    def listdir_failing(path: str | os.PathLike[str] = ".") -> list[str]:
+        if os.fspath(path) == str(ckpt_path):
+            raise eio()
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir_failing)
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: aiockpt.read(ckpt_path),
+        lambda: aiockpt.read_metadata(ckpt_path),
+        lambda: aiockpt.verify(ckpt_path),
+    ]
+    for call in calls:
+        with pytest.raises(StorageError) as info:
+            await call()
+        assert info.value.path == str(ckpt_path)
+        assert str(info.value) == f"cannot read {ckpt_path}: {os.strerror(errno.EIO)}"
+    # A missing path is still what it always was.
+    with pytest.raises(aiockpt.CheckpointNotFoundError):
+        await aiockpt.read(ckpt_path.with_name("missing"))

@@ -9,6 +9,7 @@ format.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Literal
@@ -16,6 +17,7 @@ from typing import Literal
 import anyio
 
 from .._cuda import noting
+from .._errors import StorageError
 from .._format import Key
 from .._load import assign, hand_over, readable, settle
 from .._load._match import match
@@ -37,15 +39,26 @@ def detect(path: Path) -> Kind:
     A directory with ``.metadata`` is DCP; a ``*.safetensors`` file or a directory with
     ``model.safetensors.index.json`` or ``model.safetensors`` is safetensors; a file that starts like a
     ``torch.save`` file (a zip archive, or the legacy pickle magic) is one; anything else is taken for an
-    aiockpt checkpoint (whose reader reports a path that is none).
+    aiockpt checkpoint (whose reader reports a path that is none, or missing).
+
+    Raises:
+        StorageError: ``path`` cannot be looked up for another reason than being missing (a name too
+            long, a directory on the way that may not be searched, an I/O error); names the path.
     """
-    if path.is_dir():
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "aiockpt"  # (the reader's CheckpointNotFoundError says so)
+    except OSError as exc:
+        # ``Path.is_dir`` swallows a few errnos only: the others escaped bare from read, load and the rest.
+        raise StorageError(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
+    if stat.S_ISDIR(mode):
         if os.path.isfile(path / METADATA_NAME):
             return "dcp"
         if is_hf_dir(path):
             return "safetensors"
         return "aiockpt"
-    if path.is_file():
+    if stat.S_ISREG(mode):
         if path.name.endswith(SUFFIX):
             return "safetensors"
         if is_torch_file(path):

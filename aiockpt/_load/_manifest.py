@@ -13,7 +13,7 @@ import crc32c
 import msgspec
 
 from .._body import decode_body, tree_blobs
-from .._errors import CheckpointNotFoundError, CorruptionError, FormatError, StateError
+from .._errors import CheckpointNotFoundError, CorruptionError, FormatError, StateError, StorageError
 from .._format import (
     ENVELOPE_DECODER,
     FORMAT_VERSION,
@@ -527,6 +527,10 @@ def _part_sets(path: Path) -> _PartSets:
     no two directories can claim one rank (``rank-000001-of-00002`` next to ``rank-00001-of-00002``,
     which a listing in name order used to pick first, or digits other than ASCII ones). A part whose
     rank is not below its world size belongs to no set and is left out.
+
+    Raises:
+        OSError: ``path`` exists but cannot be listed (``EACCES``, ``EIO``, a name too long); raised as
+            such, for a scan of many steps to tell one unreadable step from the others.
     """
     try:
         names = os.listdir(path)
@@ -626,9 +630,13 @@ def read_manifest(path: Path, *, every_copy: bool = False) -> Manifest:
         FormatError: The manifest is not an aiockpt manifest or has a newer format version, or the parts
             cannot be merged (see :func:`merge_parts`).
         CorruptionError: The manifest's checksum does not match (names the file).
+        StorageError: ``path`` holds no manifest and cannot be listed for parts; names the path.
     """
     if not os.path.isfile(path / MANIFEST_NAME):
-        sets = _part_sets(path)
+        try:
+            sets = _part_sets(path)
+        except OSError as exc:
+            raise StorageError(f"cannot read {path}: {exc.strerror or exc}", path=str(path)) from exc
         if sets:
             world = _chosen(sets)
             ranks = sets[world]
