@@ -1,9 +1,12 @@
-"""The command line and the manifest's damage rule: a garbled ``latest``, a hit manifest header, NaN."""
+"""The command line and the manifest's damage rule: a garbled ``latest``, a hit manifest header, NaN, and
+text output that escapes what a checkpoint names.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 from pathlib import Path
@@ -180,3 +183,68 @@ def test_inspect_shows_nan_metadata_as_a_float(tmp_path: Path) -> None:
     rc, out, _ = _run_cli("inspect", "--json", path)
     assert rc == 0
     assert '"loss": "nan"' in out  # JSON has no NaN: stringified there, as documented
+
+
+# --- text output escapes what a checkpoint names ----------------------------------------------------------
+
+_ESC = "\x1b[31m"
+
+
+class _Odd:
+    """A Stateful whose class name holds an escape sequence (its name is saved as the state's origin)."""
+
+    def state_dict(self) -> dict[str, object]:
+        return {"n": 1}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        del state
+
+
+_Odd.__qualname__ = _Odd.__name__ = f"Odd{_ESC}"
+
+
+def test_inspect_text_escapes_keys_metadata_and_names_and_json_stays_exact(tmp_path: Path) -> None:
+    """Control characters reached the terminal: an escape sequence raw, a newline as a forged row."""
+    path = tmp_path / "ckpt"
+    state = {"k\nfake  float32  (9,)": torch.ones(2), f"v{_ESC}": "x\ny", "obj": _Odd()}
+    sync.save(state, path, metadata={f"m{_ESC}": "v\nw", "plain": 1})
+    rc, out, err = _run_cli("inspect", path)
+    assert rc == 0, err
+    assert "\x1b" not in out
+    assert not any(line.lstrip().startswith("fake") for line in out.splitlines())
+    assert "'k\\nfake  float32  (9,)'" in out
+    assert "'m\\x1b[31m' = 'v\\nw'" in out
+    assert "plain = 1" in out  # printable names are shown as they are
+    assert "'v\\x1b[31m'" in out
+    assert "Odd\\x1b[31m" in out
+    rc, out, _ = _run_cli("inspect", "--json", path)
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["user_metadata"] == {f"m{_ESC}": "v\nw", "plain": 1}
+    assert [t["path"] for t in doc["tensors"]] == [["k\nfake  float32  (9,)"]]
+    assert {v["value"] for v in doc["values"]} >= {"x\ny"}
+    assert [s["type"] for s in doc["statefuls"]] == [f"{__name__}.Odd{_ESC}"]
+
+
+def test_ls_text_escapes_temp_names_and_the_latest_pointer(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    (root / "latest").write_text(f"step-{_ESC}")
+    temp = f".tmp-x{_ESC}-0123abcd"
+    (root / temp).write_bytes(b"")
+    rc, out, err = _run_cli("ls", root)
+    assert rc == 0, err
+    assert "\x1b" not in out
+    assert "! '.tmp-x\\x1b[31m-0123abcd': temp-file" in out
+    assert "latest -> 'step-\\x1b[31m'" in out
+    rc, out, _ = _run_cli("ls", "--json", root)
+    doc = json.loads(out)
+    assert doc["latest"] == f"step-{_ESC}"
+    assert [o["name"] for o in doc["other"]] == [temp]
+
+
+def test_an_error_line_is_escaped(tmp_path: Path) -> None:
+    rc, _, err = _run_cli("inspect", tmp_path / f"no{_ESC}pe")
+    assert rc != 0
+    line = _one_error_line(err)
+    assert "\x1b" not in line
+    assert "no\\x1b[31mpe" in line

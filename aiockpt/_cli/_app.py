@@ -17,7 +17,7 @@ import click
 from .._errors import CheckpointError, CorruptionError
 from .._version import __version__
 from . import convert, inspect, ls, prune, verify
-from ._common import stdout_written_whole
+from ._common import printable, stdout_written_whole
 
 # Adding a subcommand: a module defining ``command``, listed here.
 COMMANDS: tuple[click.Command, ...] = (
@@ -105,7 +105,8 @@ for _command in COMMANDS:
 
 
 def _fail(message: str) -> None:
-    click.echo(f"aiockpt: error: {' / '.join(message.splitlines())}", err=True)
+    # One line, escaped: an error's message may name keys and values of an untrusted checkpoint.
+    click.echo(f"aiockpt: error: {' / '.join(map(printable, message.splitlines()))}", err=True)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

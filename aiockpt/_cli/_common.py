@@ -1,4 +1,4 @@
-"""What the subcommands share: consoles, number and date formats, JSON output, path resolution."""
+"""What the subcommands share: consoles, number and date formats, escaping, JSON output, path resolution."""
 
 from __future__ import annotations
 
@@ -170,6 +170,28 @@ step_option = click.option(
 def key_column(table: Table, keys: Iterable[str]) -> None:
     """Add a ``key`` column that other columns shrink for, up to a limit (then keys fold)."""
     table.add_column("key", overflow="fold", min_width=min(_KEY_WIDTH, max(map(len, keys), default=3)))
+
+
+def printable(text: str) -> str:
+    r"""``text`` with each character ``str.isprintable`` refuses written as Python escapes it (``\x1b``).
+
+    For lines of text output that hold what a checkpoint holds (an error's message, a problem found):
+    a checkpoint comes from anyone, and a newline in a key would forge a row of a table, an escape
+    sequence would reach the terminal (rich's ``Text`` drops only BEL, BS, VT, FF and CR). ``--json``
+    output is never escaped: JSON does that itself, exactly.
+    """
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def shown(name: str) -> str:
+    r"""A name from a checkpoint (a metadata key, a type, a file, a dtype) for text output.
+
+    As ``render`` writes a key: as it is when printable, else quoted and escaped as Python writes it
+    (``'m\x1b[31m'``, ``''``): no name reaches the terminal raw, nor reads as two.
+    """
+    return name if name and name.isprintable() else repr(name)
 
 
 def human_bytes(n: int) -> str:

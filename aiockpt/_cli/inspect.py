@@ -38,7 +38,9 @@ from ._common import (
     key_column,
     local_time,
     print_json,
+    printable,
     resolve_checkpoint,
+    shown,
     stdout,
     step_option,
 )
@@ -312,8 +314,12 @@ def _short(text: str) -> str:
 
 
 def _keyed(key: str, rank: int | None) -> str:
-    """A key as the text output shows it: marked with its rank where it is one rank's per-rank state."""
-    return key if rank is None else f"{key} (rank {rank})"
+    """A key as the text output shows it: marked with its rank where it is one rank's per-rank state.
+
+    ``key`` is ``render``'s, which quotes a key with a character that is not printable; escaped here too,
+    so that no key reaches the terminal raw whatever rendered it.
+    """
+    return printable(key) if rank is None else f"{printable(key)} (rank {rank})"
 
 
 def _render(doc: InspectDoc, metadata: Mapping[str, object]) -> None:
@@ -322,19 +328,20 @@ def _render(doc: InspectDoc, metadata: Mapping[str, object]) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column(overflow="fold")
-    head.add_row("checkpoint", Text(doc["path"]))
+    head.add_row("checkpoint", Text(printable(doc["path"])))
     if doc["note"]:
-        head.add_row("", Text(f"({doc['note']})"))
+        head.add_row("", Text(printable(f"({doc['note']})")))
     head.add_row("format version", str(doc["format_version"]))
     head.add_row("step", str(doc["step"]) if doc["step"] is not None else "-")
     head.add_row("world size", str(doc["world_size"]))
     head.add_row("created", f"{local_time(doc['created_at'])} ({doc['created']})")
-    head.add_row("library version", doc["library_version"] or "-")
-    head.add_row("checksums", f"{doc['checksum_algorithm']} per {human_bytes(doc['checksum_block'])} block")
+    head.add_row("library version", Text(shown(doc["library_version"]) if doc["library_version"] else "-"))
+    algorithm = shown(doc["checksum_algorithm"])
+    head.add_row("checksums", Text(f"{algorithm} per {human_bytes(doc['checksum_block'])} block"))
     for key, value in metadata.items():  # (a float nan shows as nan, the string "nan" as 'nan')
-        head.add_row("metadata", Text(f"{key} = {value!r}"))
+        head.add_row("metadata", Text(f"{shown(key)} = {printable(repr(value))}"))
     for f in doc["files"]:
-        head.add_row("file", Text(f"{f['name']}  {human_bytes(f['nbytes'])}"))
+        head.add_row("file", Text(f"{shown(f['name'])}  {human_bytes(f['nbytes'])}"))
     tensors = doc["tensors"]
     head.add_row(
         "total", f"{human_bytes(doc['nbytes'])}, {len(tensors)} tensor(s), {len(doc['values'])} value(s)"
@@ -352,12 +359,12 @@ def _render(doc: InspectDoc, metadata: Mapping[str, object]) -> None:
         table.add_column("replicated")
         for t in tensors:
             table.add_row(
-                Text(_keyed(t["key"], t["rank"]) + "".join(f"\n= {a}" for a in t["aliases"])),
-                t["dtype"],
+                Text(_keyed(t["key"], t["rank"]) + "".join(f"\n= {printable(a)}" for a in t["aliases"])),
+                Text(shown(t["dtype"])),
                 _shape(t["shape"]),
                 human_bytes(t["nbytes"]),
                 str(len(t["chunks"])),
-                ", ".join(t["files"]),
+                Text(", ".join(map(shown, t["files"]))),
                 {True: "yes", False: "no", None: "-"}[t["replicated"]],
             )
         out.print(table)
@@ -369,12 +376,12 @@ def _render(doc: InspectDoc, metadata: Mapping[str, object]) -> None:
         vt.add_column("value", overflow="fold")
         for v in doc["values"]:
             if v["nbytes"] is not None:
-                shown = f"<{v['nbytes']} bytes{', pickled' if v['pickled'] else ''}>"
+                value = f"<{v['nbytes']} bytes{', pickled' if v['pickled'] else ''}>"
             elif v["type"] == "float" and isinstance(v["value"], str):  # nan, inf: stringified for JSON
-                shown = v["value"]
+                value = v["value"]
             else:
-                shown = _short(repr(v["value"]))
-            vt.add_row(Text(_keyed(v["key"], v["rank"])), Text(v["type"]), Text(shown))
+                value = _short(printable(repr(v["value"])))
+            vt.add_row(Text(_keyed(v["key"], v["rank"])), Text(shown(v["type"])), Text(value))
         out.print(vt)
 
     if doc["statefuls"]:
@@ -382,7 +389,7 @@ def _render(doc: InspectDoc, metadata: Mapping[str, object]) -> None:
         key_column(st, (_keyed(s["key"], s["rank"]) for s in doc["statefuls"]))
         st.add_column("type", overflow="fold")
         for s in doc["statefuls"]:
-            st.add_row(Text(_keyed(s["key"], s["rank"])), Text(s["type"]))
+            st.add_row(Text(_keyed(s["key"], s["rank"])), Text(shown(s["type"])))
         out.print(st)
 
 

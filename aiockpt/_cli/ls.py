@@ -18,7 +18,17 @@ from .._fs import LOCK_SUFFIX, TMP_PREFIX, is_temp, owner_alive
 from .._load import is_checkpoint, published_parts, read_manifest
 from .._load._manifest import first_missing, missing_ranks
 from .._storage import local
-from ._common import disk_usage, human_bytes, iso_utc, json_option, local_time, print_json, stdout
+from ._common import (
+    disk_usage,
+    human_bytes,
+    iso_utc,
+    json_option,
+    local_time,
+    print_json,
+    printable,
+    shown,
+    stdout,
+)
 
 SCHEMA = "aiockpt.ls/1"
 _TMP_STEP_PREFIX = f"{TMP_PREFIX}step-"
@@ -159,7 +169,7 @@ def list_root(root: Path) -> tuple[list[StepRow], list[OtherRow], str | None]:
 def _render(root: Path, steps: list[StepRow], others: list[OtherRow], latest: str | None) -> None:
     out = stdout()
     committed = [r for r in steps if r.committed]
-    table = Table(box=box.SIMPLE, title=Text(str(root)), title_justify="left")
+    table = Table(box=box.SIMPLE, title=Text(printable(str(root))), title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("created")
     table.add_column("size", justify="right")
@@ -173,7 +183,7 @@ def _render(root: Path, steps: list[StepRow], others: list[OtherRow], latest: st
         if r.collective_free and r.committed:
             notes.append("collective-free")
         if r.problem:
-            notes.append(f"! {r.problem}")
+            notes.append(f"! {printable(r.problem)}")  # (a damaged manifest's error names its keys)
         table.add_row(
             str(r.step),
             local_time(r.created_at) if r.created_at is not None else "-",
@@ -185,15 +195,15 @@ def _render(root: Path, steps: list[StepRow], others: list[OtherRow], latest: st
     if steps:
         out.print(table)
     else:
-        click.echo(f"{root}: no checkpoints")
-    for o in others:
-        click.echo(f"! {o.name}: {o.kind} ({human_bytes(o.nbytes)}): {o.detail}")
+        click.echo(printable(f"{root}: no checkpoints"))
+    for o in others:  # (a temp name is any name with the temp prefix)
+        click.echo(f"! {shown(o.name)}: {o.kind} ({human_bytes(o.nbytes)}): {o.detail}")
     total = sum(r.nbytes for r in committed)
     summary = f"{len(committed)} committed step(s), {human_bytes(total)}"
     if damaged := sum(r.damaged for r in steps):
         summary += f" ({damaged} with a damaged manifest)"
     if latest is not None:
-        summary += f"; latest -> {latest}"
+        summary += f"; latest -> {shown(latest)}"  # (the pointer file's text, whatever it holds)
         if not any(r.latest for r in committed):
             summary += " (! not a committed step here)"
     click.echo(summary)

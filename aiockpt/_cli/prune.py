@@ -10,7 +10,7 @@ from .._checkpointer import collect_temp, delete_steps, doomed_steps, latest_of,
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._load import is_checkpoint, read_manifest
 from .._storage import local
-from ._common import disk_usage, human_bytes, json_option, print_json
+from ._common import disk_usage, human_bytes, json_option, print_json, printable
 
 SCHEMA = "aiockpt.prune/1"
 
@@ -71,7 +71,8 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
         latest = None
     damaged = _damaged_newest(directory, steps, keep_last)
     for step, why in damaged.items():
-        click.echo(f"aiockpt: {step_dir_name(step)} is kept, not counted in --keep-last: {why}", err=True)
+        line = f"aiockpt: {step_dir_name(step)} is kept, not counted in --keep-last: {why}"
+        click.echo(printable(line), err=True)  # (``why``: a damaged manifest's error, naming its keys)
     counted = [s for s in steps if s not in damaged]
     doomed = doomed_steps(
         counted, keep_last=keep_last, keep_every=keep_every, protect=() if latest is None else (latest,)
@@ -105,7 +106,7 @@ def command(root: str, keep_last: int, keep_every: int | None, dry_run: bool, as
         click.echo(f"{verb} {step_dir_name(s)} ({human_bytes(sizes[s])})")
     for p in garbage:
         size = human_bytes(garbage_sizes.get(p, 0))
-        click.echo(f"{verb} {p.relative_to(directory)} ({size}): temp data whose writer is gone")
+        click.echo(printable(f"{verb} {p.relative_to(directory)} ({size}): temp data whose writer is gone"))
     entries = "entry" if len(garbage) == 1 else "entries"
     click.echo(
         f"{verb} {len(doomed)} step(s) and {len(garbage)} temp {entries}, {human_bytes(freed)}; "

@@ -12,6 +12,7 @@ from ._common import (
     json_option,
     no_progress_option,
     print_json,
+    printable,
     progress_bar,
     resolve_checkpoint,
     show_progress,
@@ -63,10 +64,10 @@ def command(path: str, step: int | None, threads: int | None, no_progress: bool,
         _report_json(report)
     else:
         for problem in report.problems:
-            click.echo(f"CORRUPT {problem}")
+            click.echo(printable(f"CORRUPT {problem}"))
         what = f"{report.num_tensors} tensor(s), {report.num_chunks} chunk(s), {human_bytes(report.nbytes)}"
         if report.ok:
-            click.echo(f"OK: {what} verified in {report.path}")
+            click.echo(printable(f"OK: {what} verified in {report.path}"))
         else:
-            click.echo(f"FAILED: {len(report.problems)} damaged in {report.path} ({what})")
+            click.echo(printable(f"FAILED: {len(report.problems)} damaged in {report.path} ({what})"))
     return 0 if report.ok else 1
