@@ -5,10 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, overload
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import anyio
 
@@ -28,6 +25,17 @@ from ._storage import S3Options, S3Path, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, part_of, resolve_world
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+else:
+    try:  # at run time too, so that typing.get_type_hints() resolves the annotations that name it
+        from torch.distributed import ProcessGroup
+    except ImportError:  # a torch built without distributed support: no group to pass
+        ProcessGroup = object
+
+# A load returns its target as it was given, so the caller keeps the target's own type.
+StateT = TypeVar("StateT", bound=MutableMapping[str, Any])
+
 
 @overload
 async def save(
@@ -36,7 +44,7 @@ async def save(
     *,
     async_op: Literal[False] = ...,
     allow_pickle: bool = ...,
-    metadata: dict[str, str | int | float | bool | None] | None = ...,
+    metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     io: IOConfig | None = ...,
     process_group: ProcessGroup | None = ...,
     collective_timeout: float = ...,
@@ -52,7 +60,7 @@ async def save(
     *,
     async_op: Literal[True],
     allow_pickle: bool = ...,
-    metadata: dict[str, str | int | float | bool | None] | None = ...,
+    metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     io: IOConfig | None = ...,
     process_group: ProcessGroup | None = ...,
     collective_timeout: float = ...,
@@ -68,7 +76,7 @@ async def save(
     *,
     async_op: bool,
     allow_pickle: bool = ...,
-    metadata: dict[str, str | int | float | bool | None] | None = ...,
+    metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     io: IOConfig | None = ...,
     process_group: ProcessGroup | None = ...,
     collective_timeout: float = ...,
@@ -84,7 +92,7 @@ async def save(
     *,
     async_op: bool = False,
     allow_pickle: bool = False,
-    metadata: dict[str, str | int | float | bool | None] | None = None,
+    metadata: Mapping[str, str | int | float | bool | None] | None = None,
     io: IOConfig | None = None,
     process_group: ProcessGroup | None = None,
     collective_timeout: float = DEFAULT_TIMEOUT,
@@ -166,7 +174,7 @@ async def save(
 
 @insulated
 async def load(
-    state: MutableMapping[str, object],
+    state: StateT,
     path: str | os.PathLike[str],
     *,
     strict: bool = True,
@@ -174,7 +182,7 @@ async def load(
     io: IOConfig | None = None,
     s3: S3Options | None = None,
     rank: int | None = None,
-) -> MutableMapping[str, object]:
+) -> StateT:
     """Load the checkpoint at ``path`` into ``state``, in place.
 
     Tensors of ``state`` are filled in place (read straight into their memory when they are contiguous

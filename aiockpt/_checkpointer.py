@@ -12,10 +12,7 @@ import warnings
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, MutableMapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeGuard, TypeVar, overload
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar, overload
 
 import anyio
 
@@ -52,6 +49,14 @@ from ._save import SaveRequest, metadata_of, run_reserve, run_save
 from ._storage import Location, S3Options, S3Path, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, World, part_of, resolve_world
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+else:
+    try:  # at run time too, so that typing.get_type_hints() resolves the annotations that name it
+        from torch.distributed import ProcessGroup
+    except ImportError:  # a torch built without distributed support: no group to pass
+        ProcessGroup = object
 
 OnBusy = Literal["wait", "skip", "error"]
 """What a save does while ``max_inflight`` saves are in flight (``Checkpointer(on_busy=...)``): ``"wait"``
@@ -672,7 +677,7 @@ class Checkpointer:
         *,
         step: int,
         async_op: Literal[False] = ...,
-        metadata: dict[str, str | int | float | bool | None] | None = ...,
+        metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     ) -> Metadata: ...
 
     @overload
@@ -682,7 +687,7 @@ class Checkpointer:
         *,
         step: int,
         async_op: Literal[True],
-        metadata: dict[str, str | int | float | bool | None] | None = ...,
+        metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     ) -> SaveHandle: ...
 
     @overload
@@ -692,7 +697,7 @@ class Checkpointer:
         *,
         step: int,
         async_op: bool,
-        metadata: dict[str, str | int | float | bool | None] | None = ...,
+        metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     ) -> Metadata | SaveHandle: ...
 
     @insulated
@@ -702,7 +707,7 @@ class Checkpointer:
         *,
         step: int,
         async_op: bool = False,
-        metadata: dict[str, str | int | float | bool | None] | None = None,
+        metadata: Mapping[str, str | int | float | bool | None] | None = None,
     ) -> Metadata | SaveHandle:
         """Save ``state`` as checkpoint ``step``.
 
@@ -978,7 +983,7 @@ class Checkpointer:
 
     @insulated
     async def load(
-        self, state: MutableMapping[str, object], *, step: int | None = None, strict: bool = True
+        self, state: MutableMapping[str, Any], *, step: int | None = None, strict: bool = True
     ) -> int | None:
         """Load checkpoint ``step`` (default: the latest committed one) into ``state`` in place.
 

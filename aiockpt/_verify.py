@@ -21,7 +21,7 @@ from pathlib import Path
 
 import anyio
 
-from ._errors import CheckpointNotFoundError, CorruptionError, StorageError
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptionError, StorageError
 from ._format import Chunk, Manifest
 from ._fs import irregular, open_readable
 from ._gc import paused
@@ -224,7 +224,7 @@ def _whole_damage(directory: Path, manifest: Manifest, files: _Files, damaged: s
     return found
 
 
-async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], None]) -> None:
+async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], object]) -> None:
     """Await ``run()``, calling ``report()`` every ``_PROGRESS_INTERVAL`` meanwhile and once at the end.
 
     An exception of either is raised as it is (not in an exception group), after the other is cancelled.
@@ -268,12 +268,27 @@ def _close_all(
         os.close(fd)
 
 
+def check_progress(progress: object) -> None:
+    """Refuse a ``progress`` that cannot be called, before any work: it failed with a bare ``TypeError``.
+
+    Its result is ignored, so any callable taking ``(done, total)`` will do (``tqdm``'s ``update`` in a
+    lambda, a method returning a bool).
+
+    Raises:
+        CheckpointError: ``progress`` is neither callable nor ``None``; the message names it.
+    """
+    if progress is not None and not callable(progress):
+        raise CheckpointError(
+            f"progress must be a callable taking (bytes done, bytes total), or None, not {progress!r}"
+        )
+
+
 @insulated
 async def verify(
     path: str | os.PathLike[str],
     *,
     io: IOConfig | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], object] | None = None,
 ) -> VerifyReport:
     """Check a checkpoint's integrity without loading it: its manifest, and every block of every chunk.
 
@@ -290,7 +305,7 @@ async def verify(
         path: A checkpoint directory.
         io: I/O tuning (``threads`` readers, ``direct_reads``, ``drop_behind``, ``checkers``).
         progress: Called on the event loop as ``progress(bytes_done, bytes_total)`` a few times a second
-            while data is read, and once at the end.
+            while data is read, and once at the end; what it returns is ignored.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is true when nothing is damaged, otherwise
@@ -307,8 +322,9 @@ async def verify(
             format version (a damaged manifest, or a file of another kind in its place, is a problem of
             the report).
         StorageError: A data file exists but cannot be opened.
-        CheckpointError: ``path`` is empty, or an ``s3://`` URL.
+        CheckpointError: ``path`` is empty, or an ``s3://`` URL, or ``progress`` is not callable.
     """
+    check_progress(progress)
     directory = local(path, "verify")
     io = io_config(io)
     with responsive(io):
@@ -328,7 +344,7 @@ async def verify(
 
 
 async def _verify(
-    directory: Path, io: IOConfig, progress: Callable[[int, int], None] | None, kept: list[object]
+    directory: Path, io: IOConfig, progress: Callable[[int, int], object] | None, kept: list[object]
 ) -> VerifyReport:
     try:
         # Every part's own chunks, also the copies of a chunk that a load reads from another part.

@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -38,10 +38,16 @@ from ._verify import VerifyReport
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+else:
+    try:  # at run time too, so that typing.get_type_hints() resolves the annotations that name it
+        from torch.distributed import ProcessGroup
+    except ImportError:  # a torch built without distributed support: no group to pass
+        ProcessGroup = object
 
 __all__ = ["Checkpointer", "SyncSaveHandle", "convert", "load", "read", "read_metadata", "save", "verify"]
 
 T = TypeVar("T")
+StateT = TypeVar("StateT", bound=MutableMapping[str, Any])  # (as in aiockpt.load)
 
 
 def _run(call: Callable[[], Awaitable[T]], name: str) -> T:
@@ -414,7 +420,7 @@ class Checkpointer:
         *,
         step: int,
         async_op: Literal[False] = ...,
-        metadata: dict[str, str | int | float | bool | None] | None = ...,
+        metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     ) -> Metadata: ...
 
     @overload
@@ -424,7 +430,7 @@ class Checkpointer:
         *,
         step: int,
         async_op: Literal[True],
-        metadata: dict[str, str | int | float | bool | None] | None = ...,
+        metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     ) -> SyncSaveHandle: ...
 
     @overload
@@ -434,7 +440,7 @@ class Checkpointer:
         *,
         step: int,
         async_op: bool,
-        metadata: dict[str, str | int | float | bool | None] | None = ...,
+        metadata: Mapping[str, str | int | float | bool | None] | None = ...,
     ) -> Metadata | SyncSaveHandle: ...
 
     def save(
@@ -443,7 +449,7 @@ class Checkpointer:
         *,
         step: int,
         async_op: bool = False,
-        metadata: dict[str, str | int | float | bool | None] | None = None,
+        metadata: Mapping[str, str | int | float | bool | None] | None = None,
     ) -> Metadata | SyncSaveHandle:
         """Save ``state`` as ``step``; see :meth:`aiockpt.Checkpointer.save`."""
         if async_op:
@@ -458,7 +464,7 @@ class Checkpointer:
         return self._call(_as_this_thread(lambda: self._ckpt.reserve(state)))
 
     def load(
-        self, state: MutableMapping[str, object], *, step: int | None = None, strict: bool = True
+        self, state: MutableMapping[str, Any], *, step: int | None = None, strict: bool = True
     ) -> int | None:
         """Load ``step`` (default: latest) into ``state``; see :meth:`aiockpt.Checkpointer.load`."""
         return self._call(_as_this_thread(lambda: self._ckpt.load(state, step=step, strict=strict)))
@@ -618,7 +624,7 @@ def save(
     path: str | os.PathLike[str],
     *,
     allow_pickle: bool = False,
-    metadata: dict[str, str | int | float | bool | None] | None = None,
+    metadata: Mapping[str, str | int | float | bool | None] | None = None,
     io: IOConfig | None = None,
     process_group: ProcessGroup | None = None,
     collective_timeout: float = DEFAULT_TIMEOUT,
@@ -648,7 +654,7 @@ def save(
 
 
 def load(
-    state: MutableMapping[str, object],
+    state: StateT,
     path: str | os.PathLike[str],
     *,
     strict: bool = True,
@@ -656,10 +662,10 @@ def load(
     io: IOConfig | None = None,
     s3: S3Options | None = None,
     rank: int | None = None,
-) -> MutableMapping[str, object]:
+) -> StateT:
     """Load ``path`` into ``state`` in place (``rank``'s per-rank state); see :func:`aiockpt.load`."""
 
-    async def run() -> MutableMapping[str, object]:
+    async def run() -> StateT:
         return await _api.load(state, path, strict=strict, allow_pickle=allow_pickle, io=io, s3=s3, rank=rank)
 
     return _run(run, "load")
@@ -694,7 +700,7 @@ def verify(
     path: str | os.PathLike[str],
     *,
     io: IOConfig | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], object] | None = None,
 ) -> VerifyReport:
     """Check the checkpoint at ``path`` without loading it; see :func:`aiockpt.verify`.
 
@@ -709,7 +715,8 @@ def verify(
             verified.
         FormatError: The manifest is not an aiockpt manifest, or has a newer format version.
         StorageError: A data file exists but cannot be opened.
-        CheckpointError: This thread runs an event loop (await :func:`aiockpt.verify` there).
+        CheckpointError: ``path`` is empty or an ``s3://`` URL, ``progress`` is not callable, or this
+            thread runs an event loop (await :func:`aiockpt.verify` there).
     """
 
     async def run() -> VerifyReport:
@@ -726,7 +733,7 @@ def convert(
     allow_pickle: bool = False,
     drop_non_tensors: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], object] | None = None,
     io: IOConfig | None = None,
     rank: int | None = None,
 ) -> Path:
@@ -743,9 +750,9 @@ def convert(
         StateError: The source holds what the target cannot (see :func:`aiockpt.convert`).
         FormatError: The source is unreadable.
         StorageError: Writing failed; nothing is left at ``dst``.
-        CheckpointError: An argument is invalid (``to``, ``max_shard_size``, a flag that is not a bool, a
-            ``rank`` not of the world that saved ``src``), or this thread runs an event loop (await
-            :func:`aiockpt.convert` there).
+        CheckpointError: An argument is invalid (``to``, ``max_shard_size``, ``progress``, a flag that is
+            not a bool, a ``rank`` not of the world that saved ``src``), or this thread runs an event loop
+            (await :func:`aiockpt.convert` there).
     """
 
     async def run() -> Path:

@@ -68,6 +68,13 @@ async def test_a_checkpoint_saved_with_a_huge_checksum_block_verifies_and_finds_
     assert not (await aiockpt.verify(ckpt_path)).ok
 
 
+async def test_a_progress_that_is_not_callable_is_refused_naming_it(ckpt_path: Path) -> None:
+    """``progress=3`` failed with a bare TypeError once data was read."""
+    await aiockpt.save(_state(), ckpt_path)
+    with pytest.raises(aiockpt.CheckpointError, match=r"progress must be a callable .*, not 3"):
+        await aiockpt.verify(ckpt_path, progress=3)  # type: ignore[arg-type]
+
+
 async def test_an_error_in_the_progress_callback_is_raised_as_it_is(ckpt_path: Path) -> None:
     await aiockpt.save(_state(), ckpt_path)
 

@@ -38,6 +38,7 @@ from .._save import SaveRequest, UserMetadata, discard_tmp, open_tmp, run_save
 from .._storage import S3Path, local, resolve
 from .._threads import acquire_sync, run_sync
 from .._tree import dtype_name, nested, render
+from .._verify import check_progress
 from .._world import LocalWorld
 from . import detect
 from ._names import is_leaf, join, restore_optimizer_ids
@@ -46,7 +47,7 @@ from ._safetensors import INDEX_NAME, NAMES, SINGLE_NAME, SUFFIX
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "Target", "convert", "named_tensors"]
 
 Target = Literal["aiockpt", "torch", "safetensors", "dcp"]
-Progress = Callable[[int, int], None]
+Progress = Callable[[int, int], object]  # (what it returns is ignored: a tqdm-style update will do)
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's default "5GB"
 
@@ -394,9 +395,12 @@ async def convert(
         allow_pickle: Read pickled objects of the source (only for sources you trust) and let the
             target store them.
         drop_non_tensors: For safetensors, leave out values that are not tensors instead of refusing.
-        max_shard_size: Bytes of tensor data per safetensors shard (a larger tensor gets its own shard).
+        max_shard_size: Bytes of tensor data per safetensors shard (a larger tensor gets its own shard): an
+            int of at least 1. Hugging Face's size strings (``"5GB"``, ``"512MiB"``) are taken by the
+            command line's ``--max-shard-size`` only.
         progress: Called on the event loop thread with ``(bytes written, total bytes)`` of tensor data:
-            at the start, as safetensors tensors are written (every 0.5 % or so), and at the end.
+            at the start, as safetensors tensors are written (every 0.5 % or so), and at the end; what
+            it returns is ignored.
         io: I/O tuning for reading the source and writing an aiockpt checkpoint.
         rank: Whose per-rank state to convert, for a source saved by several ranks whose states differ
             (see :func:`aiockpt.read`, which reads it): ``None`` is this process's rank, 0 outside a
@@ -415,17 +419,18 @@ async def convert(
         FormatError: The source is unreadable.
         StorageError: Writing failed, or an ancestor of ``dst`` is a file, not a directory (names it);
             nothing is left at ``dst``.
-        CheckpointError: ``to`` or ``max_shard_size`` is invalid, ``src`` or ``dst`` is an empty path
-            (as for every other bad argument), or ``rank`` is not a rank of the world that saved an
-            aiockpt ``src`` (names the rank and the world's size).
+        CheckpointError: ``to``, ``max_shard_size`` or ``progress`` is invalid, ``src`` or ``dst`` is an
+            empty path (as for every other bad argument), or ``rank`` is not a rank of the world that
+            saved an aiockpt ``src`` (names the rank and the world's size).
     """
     from .._api import read
 
     check_flags(allow_pickle=allow_pickle, drop_non_tensors=drop_non_tensors)
     if to not in ("aiockpt", "torch", "safetensors", "dcp"):
         raise CheckpointError(f"to must be 'aiockpt', 'torch', 'safetensors' or 'dcp', not {to!r}")
-    if max_shard_size <= 0:
-        raise CheckpointError(f"max_shard_size must be positive, not {max_shard_size}")
+    if not (isinstance(max_shard_size, int) and not isinstance(max_shard_size, bool) and max_shard_size >= 1):
+        raise CheckpointError(f"max_shard_size must be an int (bytes) of at least 1, not {max_shard_size!r}")
+    check_progress(progress)
     if not os.fspath(dst):  # (which would name the working directory)
         raise CheckpointError("dst is an empty path: name the checkpoint to create")
     chosen = checked_rank(rank)
