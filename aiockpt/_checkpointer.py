@@ -519,7 +519,8 @@ class Checkpointer:
         self._loop: asyncio.AbstractEventLoop | None = None  # the event loop it serves (see _check_loop)
 
     def __repr__(self) -> str:
-        return f"<Checkpointer root={str(self.root)!r} steps={self._steps}>"
+        # Shortened: a run that keeps every step has thousands (a log line of 29 KB for 5000).
+        return f"<Checkpointer root={str(self.root)!r} steps={_steps_text(self._steps)}>"
 
     async def __aenter__(self) -> Checkpointer:
         await self.open()
@@ -1093,10 +1094,12 @@ class Checkpointer:
 
         Raises:
             StorageError: ``root`` cannot be listed (but for its being missing, which is waited out).
-            CheckpointError: ``poll_interval`` is not a positive number of seconds (at the first step).
+            CheckpointError: ``poll_interval`` is not a positive number of seconds, or ``coalesce`` is not
+                a bool (at the first step).
         """
         if not (isinstance(poll_interval, (int, float)) and poll_interval > 0):  # (0 or nan: a busy loop)
             raise CheckpointError(f"poll_interval must be positive seconds, not {poll_interval!r}")
+        check_flags(coalesce=coalesce)
         # Every step of the last listing: a step is new when it is not among them. (Forgetting the steps
         # that retention removed keeps this as small as the root; a step of that number saved again
         # later, in a root made afresh say, is a new checkpoint and is yielded.)
@@ -1217,8 +1220,10 @@ class Checkpointer:
         for an in-flight slot); a save called once closing has begun raises :class:`CheckpointError`.
 
         Raises:
-            CheckpointError: Another event loop, still running, uses this Checkpointer.
+            CheckpointError: Another event loop, still running, uses this Checkpointer, or ``cancel`` is not
+                a bool (also once closed).
         """
+        check_flags(cancel=cancel)
         if self._closed:
             return
         self._check_loop()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -44,14 +44,15 @@ class Preemption:
         ckpt: The Checkpointer whose saves must not be lost.
         final_save: Called after a signal; returns ``(state, step)`` to save one last time, or ``None``
             to save nothing more. ``None`` in its place saves nothing more either.
-        signals: The signals to handle (default: SIGTERM).
+        signals: The signals to handle (default: SIGTERM): a sequence of them, or one signal.
         cancel: Cancel the block when the signal arrives instead of waiting for it to check
             :attr:`requested`.
         exit: Raise ``SystemExit`` after the final save.
 
     Raises:
         CheckpointError: An argument has a wrong type (``ckpt`` not an :class:`aiockpt.Checkpointer`, a
-            signal not a signal number, ``final_save`` not callable, a flag not a bool; names it). On
+            signal not a signal number, ``signals`` neither a signal nor a sequence of them (a str),
+            ``final_save`` not callable, a flag not a bool; names it). On
             entering the block: a signal cannot be handled (SIGKILL), or this is not the main thread
             (where Python runs signal handlers).
     """
@@ -61,7 +62,7 @@ class Preemption:
         ckpt: Checkpointer,
         *,
         final_save: Callable[[], tuple[Mapping[str, object], int] | None] | None = None,
-        signals: Sequence[signal.Signals] = (signal.SIGTERM,),
+        signals: signal.Signals | Sequence[signal.Signals] = (signal.SIGTERM,),
         cancel: bool = False,
         exit: bool = True,
     ) -> None:
@@ -70,13 +71,21 @@ class Preemption:
         if final_save is not None and not callable(final_save):
             raise CheckpointError(f"final_save must be callable or None, not {final_save!r}")
         check_flags(cancel=cancel, exit=exit)
-        given: Sequence[object] = signals  # (what a caller passes, whatever the annotation says)
-        for sig in given:
+        given: object = signals  # (what a caller passes, whatever the annotation says)
+        if isinstance(given, int) and not isinstance(given, bool):
+            given = (given,)  # one signal, as signal.signal takes it
+        elif isinstance(given, str | bytes) or not isinstance(given, Iterable):
+            raise CheckpointError(
+                f"signals must be a signal number or a sequence of them (signal.SIGTERM, ...), not {given!r}"
+            )
+        chosen = tuple(given)
+        for sig in chosen:
             if isinstance(sig, bool) or not isinstance(sig, int) or sig not in signal.valid_signals():
                 raise CheckpointError(f"signals must hold signal numbers (signal.SIGTERM, ...), not {sig!r}")
         self.ckpt = ckpt
         self.final_save = final_save
-        self.signals = tuple(dict.fromkeys(signals))  # once each: a second entry took the first for "before"
+        # Once each: a second entry took the first for "before".
+        self.signals = cast("tuple[signal.Signals, ...]", tuple(dict.fromkeys(chosen)))
         self.cancel = cancel
         self.exit = exit
         self.requested = False

@@ -32,7 +32,7 @@ from ._handle import Metadata, SaveHandle, SaveMetrics, SaveState
 from ._insulate import caller_line, warnings_at
 from ._interop import _convert
 from ._interop._convert import DEFAULT_MAX_SHARD_SIZE, Target
-from ._options import IOConfig
+from ._options import IOConfig, check_flags
 from ._storage import Location, S3Options
 from ._verify import VerifyReport
 
@@ -535,8 +535,9 @@ class Checkpointer:
 
         Raises:
             StorageError: ``root`` cannot be listed (but for its being missing, which is waited out).
-            CheckpointError: ``poll_interval`` is not a positive number of seconds (at the first
-                ``next()``), or the Checkpointer is closed (also while ``next()`` waits).
+            CheckpointError: ``poll_interval`` is not a positive number of seconds or ``coalesce`` not a
+                bool (at the first ``next()``), or the Checkpointer is closed (also while ``next()``
+                waits).
         """
         steps = self._ckpt.watch(poll_interval=poll_interval, coalesce=coalesce)
         try:
@@ -585,7 +586,11 @@ class Checkpointer:
         """Finish (or cancel) the saves in flight and stop the event-loop thread.
 
         Safe to call again, and from several threads: the later calls return once it is closed.
+
+        Raises:
+            CheckpointError: ``cancel`` is not a bool (nothing is closed then).
         """
+        check_flags(cancel=cancel)
         with self._closing:
             if not self._thread.is_alive():
                 return

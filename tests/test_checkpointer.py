@@ -6,6 +6,7 @@ import asyncio
 import errno
 import os
 import shutil
+import signal
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -577,6 +578,10 @@ async def test_bad_step(step: object, root: Path) -> None:
     ("kwargs", "culprit"),
     [
         ({"signals": ("SIGTERM",)}, "signals"),
+        ({"signals": "SIGTERM"}, "signals"),
+        ({"signals": None}, "signals"),
+        ({"signals": 15.0}, "signals"),
+        ({"signals": True}, "signals"),
         ({"signals": (True,)}, "signals"),
         ({"signals": (10**6,)}, "signals"),
         ({"final_save": "save"}, "final_save"),
@@ -592,6 +597,17 @@ async def test_preemption_refuses_bad_arguments_naming_them(
     async with Checkpointer(root) as ckpt:
         with pytest.raises(aiockpt.CheckpointError, match=culprit):
             aiockpt.Preemption(ckpt, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_preemption_takes_one_signal_as_it_takes_a_sequence(root: Path) -> None:
+    """``signals=signal.SIGTERM`` (not in a sequence) raised a bare TypeError."""
+    async with Checkpointer(root) as ckpt:
+        before = signal.getsignal(signal.SIGUSR1)
+        preemption = aiockpt.Preemption(ckpt, signals=signal.SIGUSR1, exit=False)
+        assert preemption.signals == (signal.SIGUSR1,)
+        async with preemption:
+            assert signal.getsignal(signal.SIGUSR1) is not before
+        assert signal.getsignal(signal.SIGUSR1) is before
 
 
 def test_preemption_needs_an_async_checkpointer(root: Path) -> None:
@@ -759,6 +775,38 @@ async def test_aclose_cancel_also_cancels_saves_waiting_for_a_slot(
     assert listdir(root) == []
     with pytest.raises(aiockpt.CheckpointError, match="closed"):
         await ckpt.save(big_state(3), step=3)
+
+
+async def test_aclose_refuses_a_cancel_that_is_not_a_bool(root: Path, held_commits: anyio.Event) -> None:
+    """``aclose(cancel="false")``, a config file's "do not cancel", cancelled the save in flight."""
+    ckpt = await Checkpointer(root).__aenter__()
+    handle = await ckpt.save(state_for(1), step=1, async_op=True)
+    with pytest.raises(aiockpt.CheckpointError, match="cancel must be a bool, not 'false'"):
+        await ckpt.aclose(cancel="false")  # type: ignore[arg-type]
+    held_commits.set()
+    await ckpt.aclose()
+    assert handle.state is SaveState.COMMITTED
+    assert ckpt.steps() == [1]
+    with pytest.raises(aiockpt.CheckpointError, match="cancel must be a bool"):
+        await ckpt.aclose(cancel=1)  # type: ignore[arg-type]
+
+
+async def test_watch_refuses_a_coalesce_that_is_not_a_bool(root: Path) -> None:
+    async with Checkpointer(root) as ckpt:
+        steps = ckpt.watch(poll_interval=0.01, coalesce="no")  # type: ignore[arg-type]
+        with pytest.raises(aiockpt.CheckpointError, match="coalesce must be a bool, not 'no'"):
+            await steps.__anext__()
+
+
+async def test_repr_shortens_a_long_list_of_steps(root: Path) -> None:
+    """Every committed step was listed: 29 KB for a run that kept 5000."""
+    async with Checkpointer(root, keep_last=None) as ckpt:
+        for step in range(3):
+            await ckpt.save(state_for(step), step=step)
+        assert repr(ckpt) == f"<Checkpointer root={str(root)!r} steps=[0, 1, 2]>"
+        for step in range(3, 9):
+            await ckpt.save(state_for(step), step=step)
+        assert repr(ckpt) == f"<Checkpointer root={str(root)!r} steps=[0, 1, 2, ..., 6, 7, 8] (9 steps)>"
 
 
 async def test_a_failure_after_the_commit_leaves_the_save_committed(

@@ -122,6 +122,25 @@ def test_sync_close_waits_for_saves_in_flight(root: Path) -> None:
     assert exists(root / "step-00000003" / "manifest.msgpack")
 
 
+def test_sync_close_refuses_a_cancel_that_is_not_a_bool(root: Path) -> None:
+    """``close(cancel="false")``, a config file's "do not cancel", cancelled the save in flight."""
+    ckpt = aiockpt.sync.Checkpointer(root)
+    h = ckpt.save({"w": torch.ones(1 << 20)}, step=3, async_op=True)
+    with pytest.raises(aiockpt.CheckpointError, match="cancel must be a bool, not 'false'"):
+        ckpt.close(cancel="false")  # type: ignore[arg-type]
+    ckpt.close()
+    assert h.state is SaveState.COMMITTED
+    with pytest.raises(aiockpt.CheckpointError, match="cancel must be a bool"):
+        ckpt.close(cancel=None)  # type: ignore[arg-type]
+
+
+def test_sync_watch_refuses_a_coalesce_that_is_not_a_bool(root: Path) -> None:
+    with aiockpt.sync.Checkpointer(root) as ckpt:
+        steps = ckpt.watch(poll_interval=0.01, coalesce="false")  # type: ignore[arg-type]
+        with pytest.raises(aiockpt.CheckpointError, match="coalesce must be a bool, not 'false'"):
+            next(steps)
+
+
 def test_sync_failures_propagate(root: Path) -> None:
     with aiockpt.sync.Checkpointer(root) as ckpt:
         with pytest.raises(aiockpt.StateError, match="x/y"):
