@@ -300,7 +300,8 @@ class _LocalTarget:
             # behind has no owner, and goes when a Checkpointer next opens the directory (collect_garbage).
             warn_at_caller(
                 f"saved {self.path}, but releasing its temp dir's lock {lock.path} then failed: "
-                f"{exc.strerror or exc}; the checkpoint is committed",
+                f"{exc.strerror or exc}; the checkpoint is committed (a lock file left behind is removed "
+                f"when a Checkpointer next opens {self.path.parent})",
                 RuntimeWarning,
             )
 
