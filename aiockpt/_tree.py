@@ -405,7 +405,7 @@ class _Flattener:
                 kind = a_or_an(type(k).__name__)
                 raise StateError(
                     f"key {k!r} under {render(path)!r} is {kind}; keys here must be {allowed}",
-                    key=render((*path, str(k))),
+                    key=render((*path, cast("Key", k))),  # (written as str() writes it)
                 )
             if type(k) is int and not _INT_MIN <= k <= _INT_MAX:
                 raise StateError(
