@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 import anyio
 
 from ._dist import DEFAULT_TIMEOUT
-from ._errors import CorruptionError, FormatError
+from ._errors import CheckpointError, CorruptionError, FormatError
 from ._format import Key, part_dir_name
 from ._handle import Metadata, SaveHandle, SaveState
 from ._insulate import insulated
@@ -21,6 +21,7 @@ from ._memory import ONE_SHOT_PINNED, StagingPool
 from ._options import IOConfig, check_flags, check_timeout, io_config
 from ._runner import start_background
 from ._save import SaveRequest, metadata_of, run_save
+from ._save._protocol import abort_unbegun, unbegun
 from ._storage import S3Options, S3Path, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, part_of, resolve_world
@@ -141,11 +142,17 @@ async def save(
     """
     check_flags(async_op=async_op, allow_pickle=allow_pickle, use_collectives=use_collectives)
     check_timeout(collective_timeout)
-    user_metadata = metadata_of(metadata)
     target = resolve(path, s3)
     part = part_of(process_group) if not use_collectives else None
     if part is not None:
         target = target / part_dir_name(*part)
+    world = LocalWorld() if not use_collectives else await resolve_world(process_group, collective_timeout)
+    try:
+        user_metadata = metadata_of(metadata)
+    except CheckpointError as exc:
+        if (unbegun_save := unbegun(world, str(target))) is not None:
+            await abort_unbegun(unbegun_save, exc)  # (the other ranks would wait for this one)
+        raise
     req = SaveRequest(
         state=state,
         path=target,
@@ -157,7 +164,6 @@ async def save(
     )
     handle = SaveHandle(path=str(req.path), step=None)
     pool = StagingPool(pinned_from=ONE_SHOT_PINNED)
-    world = LocalWorld() if not use_collectives else await resolve_world(process_group, collective_timeout)
 
     async def body(report: Callable[[SaveState], None]) -> Metadata:
         try:

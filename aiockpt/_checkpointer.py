@@ -46,6 +46,7 @@ from ._memory import StagingPool
 from ._options import IOConfig, check_flags, check_timeout, io_config
 from ._runner import start_background, start_soon
 from ._save import SaveRequest, metadata_of, run_reserve, run_save
+from ._save._protocol import abort_unbegun, unbegun
 from ._storage import Location, S3Options, S3Path, resolve
 from ._threads import run_sync
 from ._world import LocalWorld, World, part_of, resolve_world
@@ -502,6 +503,9 @@ class Checkpointer:
         self._pool = StagingPool(staging_budget, wait=on_busy == "wait", own_pinned=True)
         self._steps: list[int] = []
         self._inflight: dict[int, SaveHandle] = {}
+        # Set once this rank has taken part, as a failed rank, in a save it ended before it began (see
+        # _abort_unbegun).
+        self._aborting: set[anyio.Event] = set()
         self._loading: dict[int, int] = {}
         self._slots: anyio.Semaphore | None = None
         self._commit_lock: anyio.Lock | None = None
@@ -731,12 +735,17 @@ class Checkpointer:
             raise CheckpointError(f"the Checkpointer of {self.root} is closing")
         _check_step(step)
         check_flags(async_op=async_op)
-        user_metadata = metadata_of(metadata)
         path = self.path_of(step)
-        # Distributed: rank 0 checks the target inside the save's collective protocol, so that every
-        # rank takes the same decision; here only a step in flight on this rank is refused early.
-        if (self._world.size == 1 and step in self._steps) or step in self._inflight:
-            raise CheckpointExistsError(f"step {step} already exists (or is being saved) at {path}")
+        save_path = path if self._part is None else path / part_dir_name(*self._part)
+        try:
+            user_metadata = metadata_of(metadata)
+            # Distributed: rank 0 checks the target inside the save's collective protocol, so that every
+            # rank takes the same decision; here only a step in flight on this rank is refused early.
+            if (self._world.size == 1 and step in self._steps) or step in self._inflight:
+                raise CheckpointExistsError(f"step {step} already exists (or is being saved) at {path}")
+        except CheckpointError as exc:
+            await self._abort_unbegun(save_path, exc)
+            raise
         slots = self._slots
         assert slots is not None
         if slots.value == 0 and self.on_busy != "wait":
@@ -754,15 +763,18 @@ class Checkpointer:
         try:
             with handle._cancellable() as waiting, handle.metrics.waiting():
                 await slots.acquire()
-        except BaseException:
+        except BaseException as exc:
             self._abandon(handle)
+            await self._abort_unbegun(save_path, exc)
             raise
         if waiting.cancelled_caught:  # aclose(cancel=True) while it waited
             self._abandon(handle)
-            raise CheckpointCancelledError(f"the save of step {step} was cancelled before it began")
+            cancelled = CheckpointCancelledError(f"the save of step {step} was cancelled before it began")
+            await self._abort_unbegun(save_path, cancelled)
+            raise cancelled
         req = SaveRequest(
             state=state,
-            path=path if self._part is None else path / part_dir_name(*self._part),
+            path=save_path,
             part=self._part,
             step=step,
             copy=async_op,
@@ -792,12 +804,38 @@ class Checkpointer:
             if async_op:
                 return await start_background(handle, body)
             await handle._drive(body)
-        except BaseException:
+        except BaseException as exc:
             if not ran:  # failed before the body began: give the slot back here
                 slots.release()
                 self._abandon(handle)
+                await self._abort_unbegun(save_path, exc)
             raise
         return await handle
+
+    async def _abort_unbegun(self, save: Location, exc: BaseException) -> None:
+        """Have the other ranks learn that this rank's save to ``save`` ended before its protocol began.
+
+        Told nothing, their saves would wait for it in their first exchange (see ``unbegun``). This rank
+        takes part in the save's exchanges as a failed rank (``exc`` the reason), which ends the save on
+        every rank, in the background: there it waits for the saves over the group ahead of it (the one
+        in flight, whose slot this one was waiting for), and the caller's error or cancellation is not
+        held up. :meth:`wait` and :meth:`aclose` wait for it.
+        """
+        exchanges = unbegun(self._world, str(save))
+        if exchanges is None:
+            return
+        done = anyio.Event()
+        self._aborting.add(done)
+
+        async def take_part() -> None:
+            try:
+                await abort_unbegun(exchanges, exc)
+            finally:
+                self._aborting.discard(done)
+                done.set()
+
+        with anyio.CancelScope(shield=True):  # (called while the caller's cancellation propagates too)
+            await start_soon(take_part)
 
     def _forget(self, handle: SaveHandle) -> None:
         """Take ``handle`` out of the saves in flight (if a later save of its step has not replaced it)."""
@@ -1202,7 +1240,10 @@ class Checkpointer:
             CheckpointError: Another event loop, still running, uses this Checkpointer.
         """
         self._check_loop()
-        while self._inflight or (self._removed is not None and not self._removed.is_set()):
+        while self._inflight or self._aborting or (self._removed is not None and not self._removed.is_set()):
+            if not self._inflight and self._aborting:
+                await next(iter(self._aborting)).wait()
+                continue
             if not self._inflight:
                 assert self._removed is not None
                 await self._removed.wait()

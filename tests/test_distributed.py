@@ -7,8 +7,10 @@ injected inside a rank (a write that raises, a process that kills itself) and th
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -375,6 +377,69 @@ def test_a_dead_rank_that_hosted_the_store_is_not_said_to_have_reached_the_colle
         assert "which rank failed is unknown (the job's store cannot be reached" in survivor[0], survivor
         assert "every rank reached it" not in survivor[0]
         assert survivor[0].startswith("ranks=[]")
+
+
+async def _end_a_save_before_it_begins_on_rank_1(rank: int, world: int, root: str, how: str) -> list[str]:
+    """Rank 1's save of step 2 ends before its protocol begins; then every rank saves steps 3 and 4."""
+    outcomes = []
+    state = {"w": torch.full((1 << 16,), float(rank))}
+    async with aiockpt.Checkpointer(root, collective_timeout=30) as ck:
+        first = await ck.save(state, step=1, async_op=True)
+        try:
+            if rank == 1 and how == "cancelled":  # while it waits for the slot the save of step 1 holds
+                await asyncio.wait_for(ck.save(state, step=2, async_op=True), 0.001)
+            elif rank == 1:
+                await ck.save(state, step=2, metadata={"note": "bad\udcff"})
+            else:
+                await ck.save(state, step=2)
+            outcomes.append("saved")
+        except (aiockpt.CheckpointError, TimeoutError) as exc:
+            outcomes.append(f"{type(exc).__name__} ranks={list(getattr(exc, 'ranks', []))}: {exc}")
+        await first
+        for step in (3, 4):
+            await ck.save(state, step=step)
+        outcomes.append(f"steps={ck.steps()}")
+    return outcomes
+
+
+@pytest.mark.parametrize("how", ["cancelled", "refused"])
+def test_a_save_one_rank_ends_before_it_begins_fails_on_every_rank_and_the_next_saves_work(
+    tmp_path: Path, how: str
+) -> None:
+    """The other ranks waited for it in the plan exchange until the collective timeout broke the group,
+    or (rank 1 saving again at once) met its next save there, and every later save failed."""
+    results = run_world(_end_a_save_before_it_begins_on_rank_1, 2, tmp_path, str(tmp_path / "c"), how)
+    ending = "cancelled" if how == "cancelled" else "StateError: cannot save metadata key 'note'"
+    assert results[0][0].startswith(
+        f"DistributedError ranks=[1]: the save was aborted in 'plan' (rank 1: {ending}"
+    )
+    assert results[1][0].startswith("TimeoutError" if how == "cancelled" else "StateError")
+    assert results[0][1] == results[1][1] == "steps=[1, 3, 4]"
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "latest",
+        *(f"step-{s:08d}" for s in (1, 3, 4)),
+    ]
+
+
+async def _module_save_refused_on_rank_1(rank: int, world: int, parent: str) -> list[str]:
+    outcomes = []
+    state = {"w": torch.full((100,), float(rank))}
+    for name, metadata in (("a", {"note": "bad\udcff" if rank == 1 else "fine"}), ("b", {"note": "fine"})):
+        started = time.monotonic()
+        try:
+            await aiockpt.save(state, f"{parent}/{name}", metadata=metadata, collective_timeout=60)
+            outcomes.append("saved")
+        except aiockpt.CheckpointError as exc:
+            outcomes.append(f"{type(exc).__name__} after {time.monotonic() - started:.0f} s: {exc}")
+    return outcomes
+
+
+def test_a_module_level_save_one_rank_refuses_fails_on_every_rank_at_once(tmp_path: Path) -> None:
+    results = run_world(_module_save_refused_on_rank_1, 2, tmp_path, str(tmp_path))
+    assert results[0][0].startswith("DistributedError after 0 s: the save was aborted in 'plan' (rank 1:")
+    assert results[1][0].startswith("StateError after 0 s: cannot save metadata key 'note'")
+    assert results[0][1] == results[1][1] == "saved"
+    assert not (tmp_path / "a").exists()
 
 
 async def _checkpointer_run(rank: int, world: int, root: str) -> tuple[list[int], int | None]:

@@ -26,6 +26,7 @@ import threading
 import weakref
 from functools import partial
 
+import anyio
 import msgspec
 
 from .._errors import CheckpointError, DistributedError
@@ -260,3 +261,30 @@ class Exchanges:
             pass  # the group itself broke; the peers get their own DistributedError
         finally:
             self.settled = True
+
+
+def unbegun(world: World, save: str) -> Exchanges | None:
+    """The exchanges of a save to ``save`` that ended before they began (``None`` in a world of one).
+
+    The other ranks' saves wait in its first exchange (``plan``): told nothing, they would wait there
+    until the collective timeout breaks the checkpoint group for good (a rank whose own checks refused
+    the save, or whose call was cancelled before its protocol began); or, where this rank saved again
+    at once, meet its next save there, and the ranks would stay one save apart. Made now, they take the
+    save's turn before any later save of this rank; :func:`abort_unbegun` then takes part in them.
+    """
+    return Exchanges(world, save=save) if world.size > 1 else None
+
+
+async def abort_unbegun(exchanges: Exchanges, exc: BaseException) -> None:
+    """Take part in ``exchanges`` (:func:`unbegun`'s) as a failed rank, ``exc`` the reason; then close them.
+
+    Waits for the saves over the group that began before (their turns), shielded from cancellation.
+    Raises nothing: a group that broke meanwhile gives the other ranks errors of their own.
+    """
+    try:
+        with anyio.CancelScope(shield=True):
+            await exchanges.abort(describe(exc))
+    except Exception:  # (abort itself passes on no CheckpointError)
+        pass
+    finally:
+        exchanges.close()
