@@ -225,7 +225,8 @@ def publish_newer(
                 replace_durable(root / LATEST, _latest_bytes(step))
         except OSError as exc:
             failed = exc
-        return list(trash_steps(root, doomed).values()), failed
+        trashed, trash_failed = _trash(root, doomed)
+        return list(trashed.values()), failed or trash_failed
 
 
 def repair_latest(root: Path, steps: Sequence[int], *, locked: bool = False) -> None:
@@ -328,15 +329,30 @@ def trash_steps(root: Path, steps: Iterable[int]) -> dict[int, Path]:
     (:func:`remove_tree`); one left behind, by a crash say, is temp data that the next garbage
     collection removes.
     """
-    trashed: dict[int, Path] = {}
-    for s in steps:
-        trash = root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(root / step_dir_name(s), trash)
-            trashed[s] = trash
-    if trashed:
-        fsync_dir(root)
+    trashed, failed = _trash(root, steps)
+    if failed is not None:
+        raise failed
     return trashed
+
+
+def _trash(root: Path, steps: Iterable[int]) -> tuple[dict[int, Path], OSError | None]:
+    """:func:`trash_steps`, returning its failure instead of raising it, with the steps trashed before it.
+
+    A step renamed away is gone for every reader whatever follows (the root's fsync failing, another
+    rename): its tree is the caller's to remove, and its step is out of the index.
+    """
+    trashed: dict[int, Path] = {}
+    try:
+        for s in steps:
+            trash = root / f"{TMP_PREFIX}del-{step_dir_name(s)}-{uuid.uuid4().hex[:8]}"
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(root / step_dir_name(s), trash)
+                trashed[s] = trash
+        if trashed:
+            fsync_dir(root)
+    except OSError as exc:
+        return trashed, exc
+    return trashed, None
 
 
 def _remove_trees(trees: Iterable[Path]) -> None:

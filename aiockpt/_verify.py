@@ -254,18 +254,31 @@ async def _reporting(run: Callable[[], Awaitable[None]], report: Callable[[], ob
 
 
 def _close_all(
+    directory: Path,
     fds: dict[str, int],
     before: dict[str, bytes | None],
     direct_fds: dict[str, int],
     pipeline: DirectReads | None,
-) -> None:
+) -> StorageError | None:
+    """Close every data file verify opened; return the first close that failed, as a ``StorageError``.
+
+    Every descriptor is closed even where one close reports an error (on NFS, a deferred one).
+    """
     if pipeline is not None:
         pipeline.close()
-    for name, fd in fds.items():
-        sweep(fd, before.get(name))  # what readahead brought in past the runs read
-        os.close(fd)
-    for fd in direct_fds.values():
-        os.close(fd)
+    failed: StorageError | None = None
+    for name, fd in [*fds.items(), *direct_fds.items()]:
+        if fds.get(name) == fd:
+            sweep(fd, before.get(name))  # what readahead brought in past the runs read
+        try:
+            os.close(fd)
+        except OSError as exc:
+            if failed is None:
+                failed = StorageError(
+                    f"cannot close {directory / name}: {exc.strerror or exc}", path=str(directory / name)
+                )
+                failed.__cause__ = exc
+    return failed
 
 
 def check_progress(progress: object) -> None:
@@ -390,8 +403,13 @@ async def _verify(
                     f"cannot open {directory / name}: {exc.strerror or exc}", path=str(directory / name)
                 ) from exc
             fds[name] = fd
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            size = os.fstat(fd).st_size
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot read {directory / name}: {exc.strerror or exc}", path=str(directory / name)
+                ) from exc
             # As a load does (IOConfig.drop_behind): what was cached before stays, what is read goes.
             before[name] = resident(fd, size) if io.drops_behind else None
             for p in pieces:
@@ -452,6 +470,7 @@ async def _verify(
         if work:
             await run_workers(worker, len(work))
 
+    closing: StorageError | None = None
     try:
         await run_sync(open_files)
         if progress is None:
@@ -460,7 +479,9 @@ async def _verify(
             await _reporting(read_all, lambda: progress(sum(done), total))
     finally:
         with anyio.CancelScope(shield=True):
-            await run_sync(lambda: _close_all(fds, before, direct_fds, pipeline))
+            closing = await run_sync(lambda: _close_all(directory, fds, before, direct_fds, pipeline))
+    if closing is not None:  # (raised only where the checks ended: it never hides an earlier error)
+        raise closing
     return VerifyReport(
         path=str(directory),
         problems=problems.in_file_order(),

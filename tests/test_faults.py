@@ -120,6 +120,33 @@ async def test_a_failed_fsync_of_the_root_after_the_rename_is_a_warning_and_the_
         assert_tree_equal(await aiockpt.read(root / "step-00000003"), state(3))
 
 
+async def test_a_failed_fsync_of_the_root_after_retention_trashed_a_step_keeps_the_index_true(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step was renamed away, but the index kept it and its tree stayed until the next open."""
+    real = os.fsync
+    fsyncs_of_root = [-1]  # armed: the third fsync of the root (the commit's, `latest`'s, retention's)
+
+    def fsync(fd: int) -> None:
+        if fsyncs_of_root[0] >= 0 and target_of(fd) == str(root):
+            fsyncs_of_root[0] += 1
+            if fsyncs_of_root[0] == 3:
+                raise eio()
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    async with aiockpt.Checkpointer(root, keep_last=2) as ckpt:
+        await ckpt.save(state(1), step=1)
+        await ckpt.save(state(2), step=2)
+        fsyncs_of_root[0] = 0
+        with pytest.warns(RuntimeWarning, match="pruning older steps failed"):
+            await ckpt.save(state(3), step=3)
+        assert fsyncs_of_root[0] == 3
+        await ckpt.wait()
+        assert ckpt.steps() == [2, 3]
+        assert listdir(root) == ["latest", "step-00000002", "step-00000003"]  # the tree removed too
+
+
 async def test_a_failed_fsync_of_the_parent_in_a_one_shot_save_is_a_warning(
     ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -247,6 +274,19 @@ async def test_a_data_file_whose_close_fails_in_a_read_is_a_storage_error_and_no
         assert info.value.__cause__.errno == errno.EIO
         assert open_on(DATA) == []  # every descriptor closed, the direct one too
     assert_tree_equal(await aiockpt.read(ckpt_path, io=io), saved)
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+async def test_a_data_file_whose_close_fails_in_verify_is_a_storage_error_and_no_fd_leaks(
+    direct: bool, ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = {"w": torch.randn(1 << 20), "b": torch.arange(5)}
+    await aiockpt.save(saved, ckpt_path)
+    failing_close(monkeypatch, lambda t: DATA in t)
+    with pytest.raises(StorageError, match=f"cannot close .*{DATA}: {os.strerror(errno.EIO)}") as info:
+        await aiockpt.verify(ckpt_path, io=IOConfig(direct_reads=direct))
+    assert isinstance(info.value.__cause__, OSError)
+    assert open_on(DATA) == []
 
 
 async def test_a_close_that_fails_after_a_failed_read_keeps_the_read_error(
