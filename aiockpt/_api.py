@@ -108,9 +108,10 @@ async def save(
         path: The checkpoint directory to create; it must not exist. Parents are created. An
             ``s3://bucket/prefix`` URL saves to an S3-compatible object store instead (``aiockpt[s3]``).
         async_op: Return once the state is staged (copied aside), with a :class:`SaveHandle` to await for
-            durability, instead of once the checkpoint is durable. Without it, nothing may modify the
-            state until ``save`` returns (another task included): its tensors are written from their
-            own memory, and one changed meanwhile fails its checksum on load.
+            durability, instead of once the checkpoint is durable. Nothing may modify the state until
+            ``save`` returns (another task included): staged, the state is the caller's again; without
+            it, its tensors are written from their own memory, and one changed meanwhile fails its
+            checksum on load.
         allow_pickle: Pickle objects of other types instead of refusing them.
         metadata: Small user values stored in the manifest: str keys, each value a str, an int (within
             int64/uint64), a float, a bool or ``None``.
@@ -223,7 +224,11 @@ async def load(
         CorruptionError: Stored bytes fail verification (names the key and file).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
         StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a smaller
-            world); names the key. Or ``state`` is not a mutable mapping (nothing was read).
+            world); names the key. Or ``state`` is not a mutable mapping (nothing was read). Or a
+            Stateful's ``load_state_dict`` raised (its key named, the cause chained): every tensor
+            filled in place, its own included, keeps the checkpoint's values, and so do the Statefuls
+            handed their state before it (innermost first); those after it and the plain values of
+            ``state`` are left as they were.
         CheckpointError: ``rank`` is not an int of at least 0, ``strict`` or ``allow_pickle`` is not a
             bool, or ``path`` is empty.
     """

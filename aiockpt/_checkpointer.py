@@ -1061,6 +1061,8 @@ class Checkpointer:
             StateMismatchError: ``strict`` and the target differs; nothing was loaded.
             StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a
                 smaller world); names the key. Or ``state`` is not a mutable mapping (nothing was read).
+                Or a Stateful's ``load_state_dict`` raised, leaving ``state`` as :func:`aiockpt.load`
+                says.
             CheckpointError: ``step`` is neither ``None`` nor an int of at least 0.
         """
         check_flags(strict=strict)
