@@ -72,6 +72,25 @@ def failing_close(
     return calls
 
 
+def failing_fsync(monkeypatch: pytest.MonkeyPatch, directory: Path) -> list[int]:
+    """Make the ``n``-th fsync of ``directory`` report ``EIO`` once the countdown returned is set to ``n``.
+
+    The countdown is at 0 (none fails) until the test sets it, and back at 0 once the fsync failed.
+    """
+    real = os.fsync
+    countdown = [0]
+
+    def fsync(fd: int) -> None:
+        if countdown[0] and target_of(fd) == str(directory):
+            countdown[0] -= 1
+            if not countdown[0]:
+                raise eio()
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return countdown
+
+
 def _nth_close_of(name: str, n: int) -> Callable[[str], bool]:
     """A ``failing_close`` filter: the ``n``-th close of a file whose path holds ``name``."""
     seen = [0]
@@ -88,76 +107,42 @@ def _nth_close_of(name: str, n: int) -> Callable[[str], bool]:
 # --- past the commit point: a warning, and a save that committed
 
 
-async def test_a_failed_fsync_of_the_root_after_the_rename_is_a_warning_and_the_step_committed(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("nth", "warned"),
+    [
+        (1, r"fsyncing .* after the rename that committed it failed"),  # the commit's own
+        # The root's fsyncs: the commit's, `latest`'s, then retention's (the step it renamed away stayed in
+        # the index, its tree on disk until the next open).
+        (3, "pruning older steps failed"),
+    ],
+    ids=["commit", "retention"],
+)
+async def test_a_failed_fsync_of_the_root_past_the_commit_is_a_warning_and_the_step_committed(
+    nth: int, warned: str, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = os.fsync
-    armed = [False]
-
-    def fsync(fd: int) -> None:
-        if armed[0] and target_of(fd) == str(root):
-            armed[0] = False
-            raise eio()
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    countdown = failing_fsync(monkeypatch, root)
     async with aiockpt.Checkpointer(root, keep_last=2) as ckpt:
         await ckpt.save(state(1), step=1)
         await ckpt.save(state(2), step=2)
-        armed[0] = True
-        with pytest.warns(
-            RuntimeWarning, match=r"fsyncing .* after the rename that committed it failed"
-        ) as w:
+        countdown[0] = nth
+        with pytest.warns(RuntimeWarning, match=warned) as w:
             meta = await ckpt.save(state(3), step=3)
         assert str(root) in str(w[0].message)
         assert os.strerror(errno.EIO) in str(w[0].message)
-        assert not armed[0]
+        assert countdown[0] == 0
         assert meta.step == 3
         # The Checkpointer's after-commit work ran: index, `latest` and retention.
         assert ckpt.steps() == [2, 3]
         assert read_text(root / "latest").strip() == "step-00000003"
-        assert [n for n in listdir(root) if n.startswith("step-")] == ["step-00000002", "step-00000003"]
-        assert_tree_equal(await aiockpt.read(root / "step-00000003"), state(3))
-
-
-async def test_a_failed_fsync_of_the_root_after_retention_trashed_a_step_keeps_the_index_true(
-    root: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The step was renamed away, but the index kept it and its tree stayed until the next open."""
-    real = os.fsync
-    fsyncs_of_root = [-1]  # armed: the third fsync of the root (the commit's, `latest`'s, retention's)
-
-    def fsync(fd: int) -> None:
-        if fsyncs_of_root[0] >= 0 and target_of(fd) == str(root):
-            fsyncs_of_root[0] += 1
-            if fsyncs_of_root[0] == 3:
-                raise eio()
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    async with aiockpt.Checkpointer(root, keep_last=2) as ckpt:
-        await ckpt.save(state(1), step=1)
-        await ckpt.save(state(2), step=2)
-        fsyncs_of_root[0] = 0
-        with pytest.warns(RuntimeWarning, match="pruning older steps failed"):
-            await ckpt.save(state(3), step=3)
-        assert fsyncs_of_root[0] == 3
         await ckpt.wait()
-        assert ckpt.steps() == [2, 3]
-        assert listdir(root) == ["latest", "step-00000002", "step-00000003"]  # the tree removed too
+        assert listdir(root) == ["latest", "step-00000002", "step-00000003"]  # the trashed tree removed
+        assert_tree_equal(await aiockpt.read(root / "step-00000003"), state(3))
 
 
 async def test_a_failed_fsync_of_the_parent_in_a_one_shot_save_is_a_warning(
     ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        if target_of(fd) == str(ckpt_path.parent):
-            raise eio()
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
+    failing_fsync(monkeypatch, ckpt_path.parent)[0] = 1
     with pytest.warns(RuntimeWarning, match=f"saved {ckpt_path}, but fsyncing {ckpt_path.parent}"):
         await aiockpt.save(state(), ckpt_path)
     monkeypatch.undo()
@@ -327,6 +312,17 @@ async def test_a_data_file_that_cannot_be_fstated_is_a_storage_error_naming_it(
 # --- paths that cannot be looked up
 
 
+async def assert_cannot_read(path: Path, calls: list[Callable[[], Awaitable[object]]], error: int) -> None:
+    """Each of ``calls`` raises a ``StorageError`` naming ``path`` and the OS error ``error`` (chained)."""
+    for call in calls:
+        with pytest.raises(StorageError) as info:
+            await call()
+        assert info.value.path == str(path)
+        assert str(info.value) == f"cannot read {path}: {os.strerror(error)}"
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == error
+
+
 async def test_a_path_whose_name_is_too_long_is_a_storage_error_naming_it(tmp_path: Path) -> None:
     path = tmp_path / ("x" * 300)
     calls: list[Callable[[], Awaitable[object]]] = [
@@ -335,13 +331,7 @@ async def test_a_path_whose_name_is_too_long_is_a_storage_error_naming_it(tmp_pa
         lambda: aiockpt.read_metadata(path),
         lambda: aiockpt.verify(path),
     ]
-    for call in calls:
-        with pytest.raises(StorageError) as info:
-            await call()
-        assert info.value.path == str(path)
-        assert str(info.value) == f"cannot read {path}: {os.strerror(errno.ENAMETOOLONG)}"
-        assert isinstance(info.value.__cause__, OSError)
-        assert info.value.__cause__.errno == errno.ENAMETOOLONG
+    await assert_cannot_read(path, calls, errno.ENAMETOOLONG)
 
 
 async def test_a_path_that_cannot_be_stated_is_a_storage_error_naming_it(
@@ -357,11 +347,11 @@ async def test_a_path_that_cannot_be_stated_is_a_storage_error_naming_it(
         return real(path, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "stat", refusing)
-    for call in (lambda: aiockpt.read(ckpt_path), lambda: aiockpt.load(state(0), ckpt_path)):
-        with pytest.raises(StorageError) as info:
-            await call()
-        assert info.value.path == str(ckpt_path)
-        assert str(info.value) == f"cannot read {ckpt_path}: {os.strerror(errno.EACCES)}"
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: aiockpt.read(ckpt_path),
+        lambda: aiockpt.load(state(0), ckpt_path),
+    ]
+    await assert_cannot_read(ckpt_path, calls, errno.EACCES)
 
 
 async def test_a_directory_that_cannot_be_listed_for_parts_is_a_storage_error_naming_it(
@@ -381,11 +371,7 @@ async def test_a_directory_that_cannot_be_listed_for_parts_is_a_storage_error_na
         lambda: aiockpt.read_metadata(ckpt_path),
         lambda: aiockpt.verify(ckpt_path),
     ]
-    for call in calls:
-        with pytest.raises(StorageError) as info:
-            await call()
-        assert info.value.path == str(ckpt_path)
-        assert str(info.value) == f"cannot read {ckpt_path}: {os.strerror(errno.EIO)}"
+    await assert_cannot_read(ckpt_path, calls, errno.EIO)
     # A missing path is still what it always was.
     with pytest.raises(aiockpt.CheckpointNotFoundError):
         await aiockpt.read(ckpt_path.with_name("missing"))
