@@ -519,8 +519,8 @@ class Checkpointer:
         self._pool = StagingPool(staging_budget, wait=on_busy == "wait", own_pinned=True)
         self._steps: list[int] = []
         self._inflight: dict[int, SaveHandle] = {}
-        # Set once this rank has taken part, as a failed rank, in a save it ended before it began (see
-        # _abort_unbegun).
+        # One per save this rank ended before it began, set once the rank has taken part in the save's
+        # exchanges as a failed rank (see _abort_unbegun); wait() waits for them.
         self._aborting: set[anyio.Event] = set()
         self._loading: dict[int, int] = {}
         self._slots: anyio.Semaphore | None = None
