@@ -222,6 +222,8 @@ async def load(
             read (by another process's retention; nothing was loaded).
         FormatError: The manifest is unreadable or from a newer format.
         CorruptionError: Stored bytes fail verification (names the key and file).
+        StorageError: The system refused to read a file of the checkpoint (``EACCES``, ``EIO``; names
+            it, the cause chained).
         StateMismatchError: ``strict`` and the target differs; nothing was loaded.
         StateError: This rank has no item of a list or tuple saved per rank (a checkpoint of a smaller
             world); names the key. Or ``state`` is not a mutable mapping (nothing was read). Or a
@@ -291,6 +293,8 @@ async def read(
         FormatError: The manifest is unreadable or from a newer format, or a tensor's dtype is unknown
             to this torch (names the key).
         CorruptionError: Stored bytes fail verification (names the key and file).
+        StorageError: The system refused to read a file of the checkpoint (``EACCES``, ``EIO``; names
+            it, the cause chained).
         StateError: A pickled object is stored and ``allow_pickle`` is false, or ``rank`` has no item of
             a list or tuple saved per rank (a rank outside the world that saved it; names the key).
         CheckpointError: ``rank`` is not an int of at least 0, ``allow_pickle`` is not a bool, or
@@ -331,6 +335,7 @@ async def read_metadata(path: str | os.PathLike[str], *, s3: S3Options | None = 
         FormatError: The manifest is unreadable or from a newer format, or ``path`` is a foreign
             checkpoint (DCP, safetensors, ``torch.save``), which has no aiockpt metadata.
         CorruptionError: The manifest's checksum does not match (names the file).
+        StorageError: The system refused to read the manifest (``EACCES``, ``EIO``; names it).
         CheckpointError: ``path`` is empty.
     """
     target = resolve(path, s3)

@@ -334,7 +334,8 @@ async def verify(
         FormatError: The manifest matches its checksum but holds what no save writes, or has a newer
             format version (a damaged manifest, or a file of another kind in its place, is a problem of
             the report).
-        StorageError: A data file exists but cannot be opened, looked up or closed.
+        StorageError: The system refused to read the manifest, or a data file exists but cannot be
+            opened, looked up or closed.
         CheckpointError: ``path`` is empty, or an ``s3://`` URL, or ``progress`` is not callable.
     """
     check_progress(progress)

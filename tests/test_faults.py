@@ -354,6 +354,36 @@ async def test_a_path_that_cannot_be_stated_is_a_storage_error_naming_it(
     await assert_cannot_read(ckpt_path, calls, errno.EACCES)
 
 
+async def test_a_manifest_the_system_refuses_to_read_is_a_storage_error_naming_it(
+    ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was a FormatError ("cannot read ...: Input/output error"), as of a manifest of another format."""
+    from aiockpt import _fs
+
+    await aiockpt.save(state(), ckpt_path)
+    manifest = ckpt_path / "manifest.msgpack"
+    real = _fs.open_regular
+
+    def refusing(path: Path) -> int:
+        if path == manifest:
+            raise eio()
+        return real(path)
+
+    monkeypatch.setattr(_fs, "open_regular", refusing)
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: aiockpt.read(ckpt_path),
+        lambda: aiockpt.load(state(0), ckpt_path),
+        lambda: aiockpt.read_metadata(ckpt_path),
+        lambda: aiockpt.verify(ckpt_path),
+    ]
+    await assert_cannot_read(manifest, calls, errno.EIO)
+    monkeypatch.undo()
+    manifest.unlink()
+    manifest.mkdir()  # something else in its place is still a FormatError
+    with pytest.raises(aiockpt.FormatError, match="cannot read"):
+        await aiockpt.read(ckpt_path)
+
+
 async def test_a_directory_that_cannot_be_listed_for_parts_is_a_storage_error_naming_it(
     ckpt_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

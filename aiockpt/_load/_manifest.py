@@ -35,7 +35,7 @@ from .._format import (
     TupleNode,
     part_dir_name,
 )
-from .._fs import read_regular
+from .._fs import IrregularFileError, read_regular
 from .._gc import paused
 from .._merge import Signature, merge, reindex
 from .._tree import UNSUPPORTED_DTYPES, dtype_from_name, render
@@ -48,6 +48,7 @@ def _read_one(path: Path) -> Manifest:
         CheckpointNotFoundError: ``path`` does not exist or holds no manifest (not a committed checkpoint).
         FormatError: The manifest is not an aiockpt manifest or has a newer format version.
         CorruptionError: The manifest's checksum does not match (names the file).
+        StorageError: The system refused to read the manifest (``EACCES``, ``EIO``; names it).
     """
     return _decode(*_raw(path))[0]
 
@@ -65,8 +66,10 @@ def _raw(path: Path) -> tuple[bytes, str]:
         ) from None
     except NotADirectoryError:
         raise CheckpointNotFoundError(f"{path} is not an aiockpt checkpoint: it is not a directory") from None
-    except OSError as exc:
+    except (IsADirectoryError, IrregularFileError) as exc:  # (something else in a manifest's place)
         raise FormatError(f"cannot read {file}: {exc.strerror or exc}", file=str(file)) from exc
+    except OSError as exc:  # the system refused the read (EACCES, EIO): not the format's doing
+        raise StorageError(f"cannot read {file}: {exc.strerror or exc}", path=str(file)) from exc
     return raw, str(file)
 
 
@@ -630,7 +633,8 @@ def read_manifest(path: Path, *, every_copy: bool = False) -> Manifest:
         FormatError: The manifest is not an aiockpt manifest or has a newer format version, or the parts
             cannot be merged (see :func:`merge_parts`).
         CorruptionError: The manifest's checksum does not match (names the file).
-        StorageError: ``path`` holds no manifest and cannot be listed for parts; names the path.
+        StorageError: ``path`` holds no manifest and cannot be listed for parts, or the system refused
+            to read a manifest (``EACCES``, ``EIO``); names the path or file.
     """
     if not os.path.isfile(path / MANIFEST_NAME):
         try:
