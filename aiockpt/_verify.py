@@ -28,9 +28,9 @@ from ._gc import paused
 from ._insulate import insulated
 from ._load import exists, read_manifest
 from ._load._direct import DirectReads, copy_checked, reads_direct, split_direct
-from ._load._read import check_whole, chunk_error, read_checked
+from ._load._read import check_whole, chunk_error, close_files, read_checked
 from ._options import IOConfig, io_config
-from ._pagecache import drop_behind, resident, sweep
+from ._pagecache import drop_behind, resident
 from ._runs import MAX_GAP, Piece, Run, group, lanes
 from ._storage import local
 from ._threads import release, responsive, run_sync, run_workers
@@ -260,25 +260,10 @@ def _close_all(
     direct_fds: dict[str, int],
     pipeline: DirectReads | None,
 ) -> StorageError | None:
-    """Close every data file verify opened; return the first close that failed, as a ``StorageError``.
-
-    Every descriptor is closed even where one close reports an error (on NFS, a deferred one).
-    """
+    """Close every data file verify opened; return the first close that failed (see ``close_files``)."""
     if pipeline is not None:
         pipeline.close()
-    failed: StorageError | None = None
-    for name, fd in [*fds.items(), *direct_fds.items()]:
-        if fds.get(name) == fd:
-            sweep(fd, before.get(name))  # what readahead brought in past the runs read
-        try:
-            os.close(fd)
-        except OSError as exc:
-            if failed is None:
-                failed = StorageError(
-                    f"cannot close {directory / name}: {exc.strerror or exc}", path=str(directory / name)
-                )
-                failed.__cause__ = exc
-    return failed
+    return close_files(directory, fds, before, direct_fds)
 
 
 def check_progress(progress: object) -> None:

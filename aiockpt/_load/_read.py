@@ -470,18 +470,7 @@ def _release(
     """
     if pipeline is not None:
         pipeline.close()
-    unclosed: StorageError | None = None
-    for opened in (fds, direct_fds):
-        for name, fd in opened.items():
-            if opened is fds and name in before:
-                sweep(fd, before[name])
-            try:
-                os.close(fd)
-            except OSError as exc:
-                if unclosed is None:
-                    unclosed = _unusable(directory / name, "close", exc)
-                    unclosed.__cause__ = exc
-        opened.clear()  # closed: never closed again
+    unclosed = close_files(directory, fds, before, direct_fds)
     # The containers stay referenced by the caller: their items move into ``box``, freed in slices.
     box: list[object] = [copies[:], keep[:], reads[:], list(by_file.values())]
     copies.clear()
@@ -489,6 +478,34 @@ def _release(
     reads.clear()
     by_file.clear()
     dismantle(box)
+    return unclosed
+
+
+def close_files(
+    directory: Path, fds: dict[str, int], before: dict[str, bytes | None], direct_fds: dict[str, int]
+) -> StorageError | None:
+    """Close the data files of ``directory`` a read opened (by name), all of them whatever one close does.
+
+    What readahead brought into the cache of a buffered one (``fds``) past what was cached ``before`` is
+    evicted first. Both mappings are emptied: closed, a descriptor is never closed again. Blocking.
+
+    Returns:
+        The error of the first close that failed (on NFS, a deferred write error), naming its file;
+        ``None`` where all closed cleanly. Returned, not raised: only the caller knows whether the read
+        failed already, with its own error.
+    """
+    unclosed: StorageError | None = None
+    for opened in (fds, direct_fds):
+        for name, fd in opened.items():
+            if opened is fds:
+                sweep(fd, before.get(name))
+            try:
+                os.close(fd)
+            except OSError as exc:
+                if unclosed is None:
+                    unclosed = _unusable(directory / name, "close", exc)
+                    unclosed.__cause__ = exc
+        opened.clear()
     return unclosed
 
 
